@@ -1,0 +1,113 @@
+"""Handles of keyed state: materialized files and a backend's complete checkpoint state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from backends.keygroups import KeyGroupRange
+from dstl.handles import ChangelogHandle, register_handle
+
+
+@register_handle("state-file")
+@dataclass(frozen=True, slots=True)
+class StateFileHandle:
+    """One durable file of materialized state (a Parquet table part or an SST file).
+
+    ``state`` is the state it holds (``None`` for files that hold many, like SSTs);
+    ``file_id`` is its identity for sharing (content checksum, or name + size + checksum).
+    """
+
+    location: str
+    size_bytes: int
+    file_id: str
+    state: str | None = None
+    key_group_start: int = 0
+    key_group_end: int = 0
+    rows: int = 0
+
+    TYPE_TAG: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if not self.location or self.size_bytes < 0 or not self.file_id:
+            raise ValueError(f"invalid state file handle {self!r}")
+
+    def files(self) -> list[str]:
+        """The one file."""
+        return [self.location]
+
+
+@register_handle("materialization")
+@dataclass(frozen=True, slots=True)
+class MaterializationHandle:
+    """A materialized snapshot of one backend: every file it needs and the log position.
+
+    It covers exactly the changes of writer ``writer_id`` with ``sqn < sqn``; files may be
+    shared with earlier materializations. ``kind`` names the table format (``heap-parquet``
+    or ``rocksdb-sst``).
+    """
+
+    writer_id: str
+    sqn: int
+    key_group_start: int
+    key_group_end: int
+    kind: str
+    state_files: tuple[StateFileHandle, ...]
+    materialization_id: int = 0
+
+    TYPE_TAG: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if self.sqn < 0:
+            raise ValueError("materialization sqn must be >= 0")
+        KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    @property
+    def key_group_range(self) -> KeyGroupRange:
+        """The key groups the snapshot holds."""
+        return KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    def files(self) -> list[str]:
+        """Every file this materialization needs."""
+        return [f.location for f in self.state_files]
+
+
+@register_handle("keyed-state")
+@dataclass(frozen=True, slots=True)
+class KeyedStateHandle:
+    """Everything needed to restore one backend instance at a checkpoint.
+
+    Restore = load every materialization (filtered by key group), then replay every
+    changelog handle in order, keeping records of writer ``w`` with ``sqn >=`` the sqn of
+    ``w``'s materialization (0 if none). Handles are immutable and JSON round-trippable.
+    """
+
+    backend_id: str
+    key_group_start: int
+    key_group_end: int
+    materialized: tuple[MaterializationHandle, ...] = ()
+    changelog: tuple[ChangelogHandle, ...] = ()
+
+    TYPE_TAG: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    @property
+    def key_group_range(self) -> KeyGroupRange:
+        """The key groups this state covers."""
+        return KeyGroupRange(self.key_group_start, self.key_group_end)
+
+    def replay_from(self, writer_id: str) -> int:
+        """The first sqn of ``writer_id``'s log not covered by a materialization."""
+        return max((m.sqn for m in self.materialized if m.writer_id == writer_id), default=0)
+
+    def files(self) -> list[str]:
+        """Every durable file the state needs (deduplicated, in order)."""
+        seen: dict[str, None] = {}
+        for m in self.materialized:
+            for f in m.files():
+                seen.setdefault(f)
+        for c in self.changelog:
+            seen.setdefault(c.location)
+        return list(seen)

@@ -1,0 +1,299 @@
+"""The heap (dict) keyed-state backend.
+
+Layout: ``tables[state][key_group][key] -> value`` with keys and values as Python objects,
+so reads cost a dict lookup. Keys are serialized once per :meth:`set_current_key` (for the
+key group, and reused by the changelog wrapper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
+from backends.serializers import Serializer, serializer_for
+from backends.state import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    StateDescriptor,
+    StateKind,
+    StateMeta,
+    ValueStateDescriptor,
+)
+from dstl.errors import ConfigError, StateBackendError
+
+Table = dict[int, dict[Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """A consistent copy of a backend's state, taken on the task thread.
+
+    ``tables`` must not be shared with the live backend (the materializer reads it on
+    another thread). ``sqn`` is the changelog boundary it covers (``None`` without a log).
+    """
+
+    key_serializer: Serializer
+    key_group_range: KeyGroupRange
+    metas: dict[str, StateMeta]
+    tables: dict[str, Table]
+    sqn: int | None = None
+
+
+class _HeapValueState:
+    __slots__ = ("_backend", "_default", "_table")
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: Table, default: Any) -> None:
+        self._backend = backend
+        self._table = table
+        self._default = default
+
+    def value(self) -> Any:
+        m = self._table.get(self._backend.current_key_group)
+        if m is None:
+            return self._default
+        return m.get(self._backend.current_key, self._default)
+
+    def update(self, value: Any) -> None:
+        b = self._backend
+        try:
+            self._table[b.current_key_group][b.current_key] = value
+        except KeyError:
+            self._table[b.current_key_group] = {b.current_key: value}
+
+    def clear(self) -> None:
+        m = self._table.get(self._backend.current_key_group)
+        if m is not None:
+            m.pop(self._backend.current_key, None)
+
+
+class _HeapListState:
+    __slots__ = ("_backend", "_table")
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: Table) -> None:
+        self._backend = backend
+        self._table = table
+
+    def _list(self, create: bool) -> list[Any] | None:
+        b = self._backend
+        m = self._table.get(b.current_key_group)
+        if m is None:
+            if not create:
+                return None
+            m = self._table[b.current_key_group] = {}
+        lst = m.get(b.current_key)
+        if lst is None and create:
+            lst = m[b.current_key] = []
+        return lst
+
+    def get(self) -> list[Any]:
+        lst = self._list(False)
+        return list(lst) if lst else []
+
+    def add(self, value: Any) -> None:
+        self._list(True).append(value)  # type: ignore[union-attr]
+
+    def update(self, values: Iterable[Any]) -> None:
+        items = list(values)
+        if not items:
+            self.clear()
+            return
+        b = self._backend
+        self._table.setdefault(b.current_key_group, {})[b.current_key] = items
+
+    def clear(self) -> None:
+        m = self._table.get(self._backend.current_key_group)
+        if m is not None:
+            m.pop(self._backend.current_key, None)
+
+
+class _HeapMapState:
+    __slots__ = ("_backend", "_table")
+
+    def __init__(self, backend: HeapKeyedStateBackend, table: Table) -> None:
+        self._backend = backend
+        self._table = table
+
+    def _map(self, create: bool) -> dict[Any, Any] | None:
+        b = self._backend
+        m = self._table.get(b.current_key_group)
+        if m is None:
+            if not create:
+                return None
+            m = self._table[b.current_key_group] = {}
+        entries = m.get(b.current_key)
+        if entries is None and create:
+            entries = m[b.current_key] = {}
+        return entries
+
+    def get(self, user_key: Any) -> Any:
+        entries = self._map(False)
+        return None if entries is None else entries.get(user_key)
+
+    def put(self, user_key: Any, value: Any) -> None:
+        self._map(True)[user_key] = value  # type: ignore[index]
+
+    def remove(self, user_key: Any) -> None:
+        entries = self._map(False)
+        if entries is not None:
+            entries.pop(user_key, None)
+            if not entries:
+                self.clear()
+
+    def contains(self, user_key: Any) -> bool:
+        entries = self._map(False)
+        return entries is not None and user_key in entries
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        entries = self._map(False)
+        return iter(list(entries.items()) if entries else [])
+
+    def clear(self) -> None:
+        m = self._table.get(self._backend.current_key_group)
+        if m is not None:
+            m.pop(self._backend.current_key, None)
+
+
+class HeapKeyedStateBackend:
+    """Keyed state in Python dicts for the key groups in ``key_group_range``.
+
+    Task thread only. Invariant: every stored entry's key hashes into
+    ``key_group_range``; setting a key outside it raises.
+    """
+
+    def __init__(
+        self,
+        key_serializer: Serializer,
+        key_group_range: KeyGroupRange,
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+    ) -> None:
+        self.key_serializer = key_serializer
+        self.key_group_range = key_group_range
+        self.max_parallelism = max_parallelism
+        self.current_key: Any = None
+        self.current_key_bytes = b""
+        self.current_key_group = -1
+        self._metas: dict[str, StateMeta] = {}
+        self._tables: dict[str, Table] = {}
+        self._states: dict[str, Any] = {}
+
+    # -- keys -------------------------------------------------------------------------
+    def set_current_key(self, key: Any) -> None:
+        """Make ``key`` the key every state call acts on."""
+        key_bytes = self.key_serializer.serialize(key)
+        kg = key_group_for(key_bytes, self.max_parallelism)
+        if kg not in self.key_group_range:
+            raise StateBackendError(
+                f"key {key!r} is in key group {kg}, outside this backend's "
+                f"[{self.key_group_range.start}, {self.key_group_range.end})"
+            )
+        self.current_key = key
+        self.current_key_bytes = key_bytes
+        self.current_key_group = kg
+
+    def set_current_key_raw(self, key: Any, key_bytes: bytes, key_group: int) -> None:
+        """Set the current key when its bytes and group are already known (replay)."""
+        self.current_key = key
+        self.current_key_bytes = key_bytes
+        self.current_key_group = key_group
+
+    # -- states -----------------------------------------------------------------------
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """The state object for ``descriptor``; the same object on every call.
+
+        Raises :class:`SchemaMismatchError` if a state of that name exists (declared or
+        restored) with other serializers or another kind.
+        """
+        meta = descriptor.meta
+        state = self._states.get(meta.name)
+        if state is not None:
+            self._metas[meta.name].check_compatible(meta)
+            return state
+        table = self._register(meta)
+        if isinstance(descriptor, ValueStateDescriptor):
+            state = _HeapValueState(self, table, descriptor.default)
+        elif isinstance(descriptor, ListStateDescriptor):
+            state = _HeapListState(self, table)
+        elif isinstance(descriptor, MapStateDescriptor):
+            state = _HeapMapState(self, table)
+        else:  # pragma: no cover - the union is closed
+            raise ConfigError(f"unknown descriptor {descriptor!r}")
+        self._states[meta.name] = state
+        return state
+
+    def _register(self, meta: StateMeta) -> Table:
+        existing = self._metas.get(meta.name)
+        if existing is not None:
+            existing.check_compatible(meta)
+            return self._tables[meta.name]
+        self._metas[meta.name] = meta
+        table: Table = {}
+        self._tables[meta.name] = table
+        return table
+
+    def register_restored(self, meta: StateMeta) -> None:
+        """Declare a state known from a checkpoint, before the user asks for it."""
+        self._register(meta)
+
+    def state_metas(self) -> dict[str, StateMeta]:
+        """Every state declared or restored, by name."""
+        return dict(self._metas)
+
+    def internal_state(self, meta: StateMeta) -> Any:
+        """A state object for replay, built from metadata (no user descriptor needed)."""
+        state = self._states.get(meta.name)
+        if state is not None:
+            return state
+        value = serializer_for(meta.value_serializer)
+        if meta.kind is StateKind.VALUE:
+            return self.get_state(ValueStateDescriptor(meta.name, value))
+        if meta.kind is StateKind.LIST:
+            return self.get_state(ListStateDescriptor(meta.name, value))
+        assert meta.user_key_serializer is not None
+        return self.get_state(
+            MapStateDescriptor(meta.name, serializer_for(meta.user_key_serializer), value)
+        )
+
+    # -- snapshot and bulk load -------------------------------------------------------
+    def snapshot(self, sqn: int | None = None) -> StateSnapshot:
+        """A copy of all state that later mutations do not affect. O(state); task thread."""
+        tables: dict[str, Table] = {}
+        for name, table in self._tables.items():
+            kind = self._metas[name].kind
+            if kind is StateKind.VALUE:
+                tables[name] = {kg: m.copy() for kg, m in table.items() if m}
+            elif kind is StateKind.LIST:
+                tables[name] = {
+                    kg: {k: list(v) for k, v in m.items()} for kg, m in table.items() if m
+                }
+            else:
+                tables[name] = {
+                    kg: {k: dict(v) for k, v in m.items()} for kg, m in table.items() if m
+                }
+        return StateSnapshot(
+            self.key_serializer, self.key_group_range, dict(self._metas), tables, sqn
+        )
+
+    def load_entries(
+        self,
+        meta: StateMeta,
+        key_groups: Sequence[int],
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        only: KeyGroupRange | None = None,
+    ) -> None:
+        """Bulk-insert entries (restore from a materialized table).
+
+        ``values`` are values (value state), lists (list state) or dicts (map state).
+        Entries outside ``only`` (default: this backend's key-group range) are skipped.
+        """
+        table = self._register(meta)
+        rng = only if only is not None else self.key_group_range
+        for kg, key, value in zip(key_groups, keys, values, strict=True):
+            if kg in rng:
+                table.setdefault(kg, {})[key] = value
+
+    def entry_count(self) -> int:
+        """How many (state, key) entries exist: a cheap size measure."""
+        return sum(len(m) for table in self._tables.values() for m in table.values())

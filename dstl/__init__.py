@@ -1,0 +1,21 @@
+"""DSTL: the durable short-term log and the one door to durable storage.
+
+Knows nothing of state types, RocksDB or checkpoints.
+"""
+
+from dstl.changelog import ChangelogOptions, ChangelogStorage, ChangelogWriter, read_changes
+from dstl.fileio import FileInfo, FileIO
+from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json, register_handle
+
+__all__ = [
+    "ChangelogHandle",
+    "ChangelogOptions",
+    "ChangelogStorage",
+    "ChangelogWriter",
+    "FileIO",
+    "FileInfo",
+    "handle_from_json",
+    "handle_to_json",
+    "read_changes",
+    "register_handle",
+]

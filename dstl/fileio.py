@@ -1,0 +1,256 @@
+"""The one door to durable storage.
+
+Every byte this project reads or writes in durable storage goes through :class:`FileIO`.
+``fsspec`` (and through it ``s3fs``) is imported here and nowhere else, so the translation
+of third-party errors into :mod:`dstl.errors` happens once.
+
+Publishing is *write once*: :meth:`FileIO.write_new` refuses to overwrite. On a local
+filesystem it writes a temporary file next to the target, fsyncs it, links it into place
+(failing if the target exists) and fsyncs the directory; on S3 it uses a conditional PUT
+(``If-None-Match``), which is durable once acknowledged.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import fsspec
+
+from dstl.errors import (
+    ConfigError,
+    StorageConflictError,
+    StorageError,
+    StorageNotFoundError,
+    TransientStorageError,
+)
+
+_TRANSIENT_NAMES = ("Timeout", "Throttl", "SlowDown", "ServiceUnavailable", "InternalError")
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """One listed file: its full URL, its size and its modification time (epoch seconds)."""
+
+    path: str
+    size: int
+    mtime: float | None
+
+
+def _translate(exc: BaseException, location: str) -> StorageError:
+    if isinstance(exc, StorageError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return StorageNotFoundError("no such file", location)
+    if isinstance(exc, FileExistsError):
+        return StorageConflictError("file already exists", location)
+    name = type(exc).__name__
+    text = str(exc)
+    if isinstance(exc, TimeoutError | ConnectionError) or any(
+        marker in name or marker in text for marker in _TRANSIENT_NAMES
+    ):
+        return TransientStorageError(f"transient storage failure ({name}: {text})", location)
+    if "PreconditionFailed" in text or "412" in text:
+        return StorageConflictError("file already exists", location)
+    return StorageError(f"storage failure ({name}: {text})", location)
+
+
+@contextmanager
+def _translated(location: str) -> Iterator[None]:
+    try:
+        yield
+    except StorageError:
+        raise
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise _translate(exc, location) from exc
+    except Exception as exc:  # botocore/aiohttp errors do not share a base class
+        raise _translate(exc, location) from exc
+
+
+class FileIO:
+    """Access to one durable store rooted at ``root`` (``file://``, ``s3://``, ``memory://``).
+
+    Paths given to methods are *relative* to the root (``a/b.parquet``); :meth:`url` gives
+    the absolute URL that handles record. Thread-safe: fsspec filesystems may be shared
+    across threads; this class holds no mutable state. Picklable (Spark executors can use
+    it): it pickles its root and options and reconnects lazily.
+
+    Credentials come from ``storage_options`` or s3fs's usual sources (environment,
+    config files). They are never part of :meth:`url`, handles or log lines.
+    """
+
+    def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        parsed = urlparse(root)
+        scheme = parsed.scheme or "file"
+        if scheme not in ("file", "s3", "memory"):
+            raise ConfigError(f"unsupported storage scheme {scheme!r} in {root!r}")
+        if scheme == "file":
+            local = os.path.abspath(parsed.path if parsed.scheme else root)
+            self._root = local.rstrip("/") or "/"
+            self._root_url = "file://" + self._root
+        else:
+            stripped = root.rstrip("/")
+            self._root = stripped.split("://", 1)[1]
+            self._root_url = stripped
+        self.scheme = scheme
+        self._options = dict(storage_options or {})
+        self._fs_cache: Any = None
+
+    # -- pickling: drop the live filesystem, keep root and options ---------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root_url": self._root_url, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["root_url"], state["options"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"FileIO({self._root_url!r})"
+
+    @property
+    def root_url(self) -> str:
+        """The store's root as a URL, without credentials."""
+        return self._root_url
+
+    @property
+    def _fs(self) -> Any:
+        if self._fs_cache is None:
+            options = dict(self._options)
+            if self.scheme == "s3":
+                options.setdefault("skip_instance_cache", False)
+            self._fs_cache = fsspec.filesystem(self.scheme, **options)
+        return self._fs_cache
+
+    def _abs(self, path: str) -> str:
+        if path.startswith(self._root_url + "/"):
+            path = path[len(self._root_url) + 1 :]
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ConfigError(f"path must be relative to the store root: {path!r}")
+        return posixpath.join(self._root, path) if path else self._root
+
+    def url(self, path: str) -> str:
+        """The absolute URL of ``path`` (what handles and the metadata store record)."""
+        return self._root_url + "/" + path if path else self._root_url
+
+    def relative(self, url: str) -> str:
+        """The path relative to this root of an absolute ``url`` from :meth:`url`."""
+        prefix = self._root_url + "/"
+        if not url.startswith(prefix):
+            raise ConfigError(f"{url!r} is not inside store {self._root_url!r}")
+        return url[len(prefix) :]
+
+    # -- writing ----------------------------------------------------------------------
+    def write_new(self, path: str, data: bytes) -> None:
+        """Durably write ``data`` at ``path``, which must not exist yet.
+
+        Returns only once the bytes are durable (local: fsync'd file and directory;
+        S3: PUT acknowledged). Raises :class:`StorageConflictError` if the object exists.
+        """
+        target = self._abs(path)
+        with _translated(self.url(path)):
+            if self.scheme == "file":
+                self._write_local(target, data)
+            elif self.scheme == "s3":
+                self._fs.pipe_file(target, data, mode="create")
+            else:
+                if self._fs.exists(target):
+                    raise FileExistsError(target)
+                self._fs.pipe_file(target, data)
+
+    def _write_local(self, target: str, data: bytes) -> None:
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, target)  # fails with EEXIST instead of replacing
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                raise FileExistsError(target) from exc
+            raise
+        finally:
+            os.unlink(tmp)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    # -- reading ----------------------------------------------------------------------
+    def read(self, path: str) -> bytes:
+        """All bytes of ``path``; :class:`StorageNotFoundError` if it does not exist."""
+        with _translated(self.url(path)):
+            data: bytes = self._fs.cat_file(self._abs(path))
+            return data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of ``path`` from ``offset``; short reads are an error."""
+        with _translated(self.url(path)):
+            data: bytes = self._fs.cat_file(self._abs(path), start=offset, end=offset + length)
+        if len(data) != length:
+            from dstl.errors import CorruptionError
+
+            raise CorruptionError(
+                f"short read: wanted {length} bytes at {offset}, got {len(data)}", self.url(path)
+            )
+        return data
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a file or a non-empty prefix)."""
+        with _translated(self.url(path)):
+            return bool(self._fs.exists(self._abs(path)))
+
+    def size(self, path: str) -> int:
+        """Size in bytes of ``path``."""
+        with _translated(self.url(path)):
+            return int(self._fs.size(self._abs(path)))
+
+    def list(self, prefix: str = "") -> list[FileInfo]:
+        """Every file below ``prefix`` (recursively), sorted by path; temp files excluded."""
+        base = self._abs(prefix)
+        with _translated(self.url(prefix)):
+            if not self._fs.exists(base):
+                return []
+            found = self._fs.find(base, detail=True)
+        out: list[FileInfo] = []
+        for name, info in found.items():
+            if info.get("type") == "directory" or posixpath.basename(name).startswith("."):
+                continue
+            rel = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else name
+            mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
+            if mtime is not None and not isinstance(mtime, int | float):
+                mtime = mtime.timestamp()
+            out.append(FileInfo(self.url(rel), int(info.get("size") or 0), mtime))
+        out.sort(key=lambda f: f.path)
+        return out
+
+    # -- deleting ---------------------------------------------------------------------
+    def delete(self, path: str) -> bool:
+        """Delete ``path``; returns False (no error) if it was already gone."""
+        with _translated(self.url(path)):
+            try:
+                self._fs.rm_file(self._abs(path))
+            except FileNotFoundError:
+                return False
+            return True
+
+    def delete_tree(self, prefix: str) -> None:
+        """Delete everything below ``prefix``; a missing prefix is not an error."""
+        with _translated(self.url(prefix)):
+            target = self._abs(prefix)
+            if self._fs.exists(target):
+                self._fs.rm(target, recursive=True)

@@ -1,0 +1,123 @@
+"""Handles: immutable values that say where durable bytes are.
+
+A handle is a frozen, slotted dataclass that validates itself in ``__post_init__`` and
+round-trips through JSON as ``{"type": TAG, "v": VERSION, ...fields}``. Handle types of
+higher packages register themselves with :func:`register_handle`, so the metadata store can
+decode any handle without knowing its package. Sequence ranges are half-open ``[start, end)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from dstl.errors import CorruptionError
+
+FORMAT_VERSION = 1
+
+
+class Handle(Protocol):
+    """What every handle offers: a type tag and the durable files it references."""
+
+    TYPE_TAG: ClassVar[str]
+
+    def files(self) -> list[str]:
+        """URLs of every durable file this handle needs."""
+        ...
+
+
+_REGISTRY: dict[str, type[Any]] = {}
+H = TypeVar("H")
+
+
+def register_handle(tag: str) -> Callable[[type[H]], type[H]]:
+    """Class decorator: make a handle dataclass decodable by :func:`handle_from_json`."""
+
+    def wrap(cls: type[H]) -> type[H]:
+        if tag in _REGISTRY and _REGISTRY[tag] is not cls:
+            raise ValueError(f"handle tag {tag!r} registered twice")
+        cls.TYPE_TAG = tag  # type: ignore[attr-defined]
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return handle_to_json(value)
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value
+
+
+def handle_to_json(handle: Any) -> dict[str, Any]:
+    """The JSON-ready dict of a registered handle (nested handles included)."""
+    out: dict[str, Any] = {"type": type(handle).TYPE_TAG, "v": FORMAT_VERSION}
+    for field in dataclasses.fields(handle):
+        out[field.name] = _encode(getattr(handle, field.name))
+    return out
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "type" in value and "v" in value:
+        return handle_from_json(value)
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def handle_from_json(data: dict[str, Any]) -> Any:
+    """Rebuild a handle from :func:`handle_to_json` output; unknown tags are corruption."""
+    try:
+        tag = data["type"]
+        version = data["v"]
+        cls = _REGISTRY[tag]
+    except (KeyError, TypeError) as exc:
+        raise CorruptionError(f"not a known handle: {str(data)[:200]}") from exc
+    if version != FORMAT_VERSION:
+        raise CorruptionError(f"handle {tag!r} has unsupported format version {version}")
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name in data:
+            kwargs[field.name] = _decode(data[field.name])
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise CorruptionError(f"invalid {tag!r} handle: {exc}") from exc
+
+
+@register_handle("changelog")
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChangelogHandle:
+    """One writer's contiguous block of changes inside a segment file.
+
+    ``location`` is the segment's URL, ``block`` the Parquet row group holding exactly this
+    writer's changes with sequence numbers in ``[sqn_start, sqn_end)``; ``rows`` counts
+    them; ``size_bytes`` is the whole segment's size (shared with other writers' blocks).
+    """
+
+    location: str
+    block: int
+    writer_id: str
+    sqn_start: int
+    sqn_end: int
+    rows: int
+    size_bytes: int
+
+    TYPE_TAG: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if not self.location:
+            raise ValueError("changelog handle needs a location")
+        if self.block < 0 or self.rows < 0 or self.size_bytes < 0:
+            raise ValueError(f"negative block/rows/size in {self!r}")
+        if not 0 <= self.sqn_start < self.sqn_end:
+            raise ValueError(f"bad sequence range [{self.sqn_start}, {self.sqn_end})")
+
+    def files(self) -> list[str]:
+        """The segment file this block lives in."""
+        return [self.location]
