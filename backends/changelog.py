@@ -228,18 +228,24 @@ class ChangelogKeyedStateBackend:
         persisted = self.writer.persist(self._log_from_sqn, checkpoint_id)
         base, restored = self.base, self.restored_log
         kgr = self.key_group_range
+        key_ser, max_par = self.inner.key_serializer.name, self.inner.max_parallelism
         result: Future[KeyedStateHandle] = Future()
 
         def done(f: Future[tuple[ChangelogHandle, ...]]) -> None:
-            exc = f.exception()
-            if exc is not None:
+            try:
+                handle = KeyedStateHandle(
+                    self.backend_id,
+                    kgr.start,
+                    kgr.end,
+                    key_ser,
+                    max_par,
+                    base,
+                    restored + f.result(),
+                )
+            except BaseException as exc:
                 result.set_exception(exc)
             else:
-                result.set_result(
-                    KeyedStateHandle(
-                        self.backend_id, kgr.start, kgr.end, base, restored + f.result()
-                    )
-                )
+                result.set_result(handle)
 
         persisted.add_done_callback(done)
         return result

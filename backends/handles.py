@@ -85,6 +85,8 @@ class KeyedStateHandle:
     backend_id: str
     key_group_start: int
     key_group_end: int
+    key_serializer: str
+    max_parallelism: int
     materialized: tuple[MaterializationHandle, ...] = ()
     changelog: tuple[ChangelogHandle, ...] = ()
 
@@ -92,6 +94,10 @@ class KeyedStateHandle:
 
     def __post_init__(self) -> None:
         KeyGroupRange(self.key_group_start, self.key_group_end)
+        if not self.key_group_end <= self.max_parallelism:
+            raise ValueError(
+                f"key groups [{self.key_group_start}, {self.key_group_end}) exceed max parallelism {self.max_parallelism}"
+            )
 
     @property
     def key_group_range(self) -> KeyGroupRange:

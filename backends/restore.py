@@ -102,6 +102,16 @@ def restore_into(
     backend: HeapKeyedStateBackend, fileio: FileIO, handles: Sequence[KeyedStateHandle]
 ) -> None:
     """Load ``handles`` into an empty ``backend`` (no changelog is written)."""
+    for h in handles:
+        if (
+            h.key_serializer != backend.key_serializer.name
+            or h.max_parallelism != backend.max_parallelism
+        ):
+            raise SchemaMismatchError(
+                f"checkpointed state of {h.backend_id} has keys {h.key_serializer!r} with max parallelism "
+                f"{h.max_parallelism}; the backend declares {backend.key_serializer.name!r} with "
+                f"{backend.max_parallelism}"
+            )
     # Each key group is restored from the one handle whose range owns it: handles of one
     # checkpoint have disjoint ranges, but their files may hold other groups too (after a
     # rescale, several handles reference the same old files).

@@ -20,6 +20,7 @@ It lives in ``dstl`` because ``dstl`` is the bottom of the import graph.
     │   ├── CheckpointDeclinedError    a task declined; the checkpoint was aborted
     │   └── CheckpointTimeoutError     a checkpoint expired before all acks arrived
     ├── MetadataStoreError             the SQL metadata store failed or is unreachable
+    │   └── MetadataNotFoundError      there is no metadata store at that place
     └── JobFailedError                 the pipeline failed (tolerable failures exceeded, task error)
 """
 
@@ -91,6 +92,10 @@ class CheckpointTimeoutError(CheckpointError):
 
 class MetadataStoreError(StateBackendError):
     """The SQL metadata store failed, is unreachable or has an unknown schema."""
+
+
+class MetadataNotFoundError(MetadataStoreError):
+    """There is no metadata store at the given URL or path."""
 
 
 class JobFailedError(StateBackendError):

@@ -1,0 +1,1 @@
+"""Checkpoint coordination, the metadata store, barrier handling and the embedded runtime."""

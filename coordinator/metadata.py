@@ -1,0 +1,440 @@
+"""The metadata store: completed checkpoints and file references, on SQLAlchemy.
+
+SQLite file by default, PostgreSQL (``postgresql+psycopg://``) when several processes or
+machines share it. The schema is versioned: :data:`MIGRATIONS` lists the steps from an
+empty database to :data:`SCHEMA_VERSION`; opening a newer schema than this code knows is
+an error, never a silent downgrade.
+
+File references are global across jobs (a restored job references its predecessor's
+files): a file is released exactly when no checkpoint row references it any more, and
+releasing happens in the same transaction that records the checkpoint that subsumes it.
+Deleting the bytes is the caller's job, afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from dstl.errors import (
+    CheckpointNotFoundError,
+    MetadataNotFoundError,
+    MetadataStoreError,
+    StateBackendError,
+)
+from dstl.handles import handle_from_json, handle_to_json
+
+SCHEMA_VERSION = 1
+
+_md = sa.MetaData()
+
+schema_version = sa.Table("schema_version", _md, sa.Column("version", sa.Integer, nullable=False))
+
+jobs = sa.Table(
+    "jobs",
+    _md,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("last_checkpoint_id", sa.BigInteger, nullable=False),
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    _md,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("checkpoint_id", sa.BigInteger, primary_key=True),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("triggered_at", sa.Float, nullable=False),
+    sa.Column("completed_at", sa.Float, nullable=False),
+    sa.Column("source_offsets", sa.Text, nullable=False),
+    sa.Column("stats", sa.Text, nullable=False),
+)
+
+subtask_states = sa.Table(
+    "subtask_states",
+    _md,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("checkpoint_id", sa.BigInteger, primary_key=True),
+    sa.Column("operator", sa.String(200), primary_key=True),
+    sa.Column("subtask", sa.Integer, primary_key=True),
+    sa.Column("state", sa.Text, nullable=False),
+)
+
+file_refs = sa.Table(
+    "file_refs",
+    _md,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("checkpoint_id", sa.BigInteger, primary_key=True),
+    sa.Column("location", sa.String(1000), primary_key=True),
+    sa.Index("ix_file_refs_location", "location"),
+)
+
+
+def _migrate_to_1(conn: Connection) -> None:
+    for table in (jobs, checkpoints, subtask_states, file_refs):
+        table.create(conn, checkfirst=True)
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_to_1}
+
+
+@dataclass(frozen=True, slots=True)
+class SubtaskState:
+    """What one operator subtask acknowledged: its handles, source offset and statistics."""
+
+    operator: str
+    subtask: int
+    handles: tuple[Any, ...] = ()
+    offset: Any = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def files(self) -> list[str]:
+        """Every durable file the subtask's handles reference."""
+        out: dict[str, None] = {}
+        for h in self.handles:
+            for f in h.files():
+                out.setdefault(f)
+        return list(out)
+
+    def to_json(self) -> str:
+        """JSON text for the ``subtask_states`` row."""
+        return json.dumps(
+            {
+                "handles": [handle_to_json(h) for h in self.handles],
+                "offset": self.offset,
+                "stats": self.stats,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_row(cls, operator: str, subtask: int, text: str) -> SubtaskState:
+        """Inverse of :meth:`to_json`."""
+        raw = json.loads(text)
+        return cls(
+            operator,
+            subtask,
+            tuple(handle_from_json(h) for h in raw["handles"]),
+            raw.get("offset"),
+            raw.get("stats", {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedCheckpoint:
+    """A completed checkpoint (or savepoint) as recorded in the metadata store."""
+
+    job_id: str
+    checkpoint_id: int
+    kind: str
+    triggered_at: float
+    completed_at: float
+    subtasks: tuple[SubtaskState, ...]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source_offsets(self) -> dict[str, Any]:
+        """Offsets of every source subtask, by ``operator/subtask``."""
+        return {
+            f"{s.operator}/{s.subtask}": s.offset for s in self.subtasks if s.offset is not None
+        }
+
+    def states_of(self, operator: str) -> list[SubtaskState]:
+        """The subtask states of one operator, by subtask index."""
+        return sorted((s for s in self.subtasks if s.operator == operator), key=lambda s: s.subtask)
+
+    def files(self) -> list[str]:
+        """Every durable file the checkpoint references."""
+        out: dict[str, None] = {}
+        for s in self.subtasks:
+            for f in s.files():
+                out.setdefault(f)
+        return list(out)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=FULL")  # a completed checkpoint must survive power loss
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+class MetadataStore:
+    """Completed checkpoints, job records and file references in one SQL database.
+
+    Thread-safe: each method runs in its own transaction on a pooled connection; no
+    mutable state besides the engine. ``create=False`` opens only an existing store
+    (what the CLI does) and raises :class:`MetadataStoreError` otherwise.
+    """
+
+    def __init__(self, url: str, create: bool = True) -> None:
+        self.url = url
+        try:
+            engine_url = sa.engine.make_url(url)
+        except sa.exc.ArgumentError as exc:
+            raise MetadataStoreError(f"invalid metadata URL {url!r}") from exc
+        is_sqlite = engine_url.get_backend_name() == "sqlite"
+        if is_sqlite and engine_url.database and engine_url.database != ":memory:":
+            path = engine_url.database
+            if not create and not os.path.exists(path):
+                raise MetadataNotFoundError(f"no metadata store at {path}")
+            if create:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            self.engine: Engine = sa.create_engine(url, future=True, pool_pre_ping=not is_sqlite)
+        except (sa.exc.ArgumentError, ImportError) as exc:
+            raise MetadataStoreError(f"cannot open metadata store {url!r}: {exc}") from exc
+        if is_sqlite:
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._ensure_schema(create)
+
+    @classmethod
+    def for_local_store(cls, store_dir: str, create: bool = True) -> MetadataStore:
+        """The default SQLite store inside a local store directory."""
+        return cls(
+            "sqlite:///" + os.path.join(os.path.abspath(store_dir), "metadata.db"), create=create
+        )
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except StateBackendError:
+            raise
+        except sa.exc.SQLAlchemyError as exc:
+            raise MetadataStoreError(
+                f"metadata store {self._safe_url()} failed: {exc.__class__.__name__}: {exc}"
+            ) from exc
+
+    def _safe_url(self) -> str:
+        return sa.engine.make_url(self.url).render_as_string(hide_password=True)
+
+    def _ensure_schema(self, create: bool) -> None:
+        with self._tx() as conn:
+            insp = sa.inspect(conn)
+            current = 0
+            if insp.has_table("schema_version"):
+                row = conn.execute(sa.select(schema_version.c.version)).first()
+                current = int(row[0]) if row else 0
+            if current > SCHEMA_VERSION:
+                raise MetadataStoreError(
+                    f"metadata schema version {current} is newer than this code ({SCHEMA_VERSION})"
+                )
+            if current == SCHEMA_VERSION:
+                return
+            if not create:
+                raise MetadataStoreError(
+                    f"{self._safe_url()} is not a metadata store (schema version {current})"
+                )
+            schema_version.create(conn, checkfirst=True)
+            for version in range(current + 1, SCHEMA_VERSION + 1):
+                MIGRATIONS[version](conn)
+            conn.execute(sa.delete(schema_version))
+            conn.execute(sa.insert(schema_version).values(version=SCHEMA_VERSION))
+
+    # -- jobs and checkpoint ids ------------------------------------------------------
+    def start_attempt(self, job_id: str) -> int:
+        """Register a (re)start of ``job_id``; returns its attempt number (0 first)."""
+        with self._tx() as conn:
+            row = conn.execute(sa.select(jobs.c.attempt).where(jobs.c.job_id == job_id)).first()
+            if row is None:
+                conn.execute(
+                    sa.insert(jobs).values(
+                        job_id=job_id, created_at=time.time(), attempt=0, last_checkpoint_id=0
+                    )
+                )
+                return 0
+            attempt = int(row[0]) + 1
+            conn.execute(sa.update(jobs).where(jobs.c.job_id == job_id).values(attempt=attempt))
+            return attempt
+
+    def next_checkpoint_id(self, job_id: str) -> int:
+        """Reserve the next checkpoint id: strictly increasing, never reused, across restarts."""
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.update(jobs)
+                .where(jobs.c.job_id == job_id)
+                .values(last_checkpoint_id=jobs.c.last_checkpoint_id + 1)
+                .returning(jobs.c.last_checkpoint_id)
+            ).first()
+            if row is None:
+                raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
+            return int(row[0])
+
+    # -- completed checkpoints --------------------------------------------------------
+    def add_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> list[str]:
+        """Record ``checkpoint`` and apply retention, in one transaction.
+
+        Keeps the newest ``retain`` regular checkpoints of the job (savepoints are never
+        removed here). Returns the files no longer referenced by any checkpoint: the
+        caller deletes them after this returns.
+        """
+        if retain < 1:
+            raise MetadataStoreError("retain must be >= 1")
+        cp = checkpoint
+        with self._tx() as conn:
+            conn.execute(
+                sa.insert(checkpoints).values(
+                    job_id=cp.job_id,
+                    checkpoint_id=cp.checkpoint_id,
+                    kind=cp.kind,
+                    triggered_at=cp.triggered_at,
+                    completed_at=cp.completed_at,
+                    source_offsets=json.dumps(cp.source_offsets, sort_keys=True),
+                    stats=json.dumps(cp.stats, sort_keys=True),
+                )
+            )
+            if cp.subtasks:
+                conn.execute(
+                    sa.insert(subtask_states),
+                    [
+                        {
+                            "job_id": cp.job_id,
+                            "checkpoint_id": cp.checkpoint_id,
+                            "operator": s.operator,
+                            "subtask": s.subtask,
+                            "state": s.to_json(),
+                        }
+                        for s in cp.subtasks
+                    ],
+                )
+            files = cp.files()
+            if files:
+                conn.execute(
+                    sa.insert(file_refs),
+                    [
+                        {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
+                        for f in files
+                    ],
+                )
+            expired = [
+                int(r[0])
+                for r in conn.execute(
+                    sa.select(checkpoints.c.checkpoint_id)
+                    .where(checkpoints.c.job_id == cp.job_id, checkpoints.c.kind == "checkpoint")
+                    .order_by(checkpoints.c.checkpoint_id.desc())
+                    .offset(retain)
+                )
+            ]
+            return self._remove(conn, cp.job_id, expired)
+
+    def _remove(self, conn: Connection, job_id: str, ids: Sequence[int]) -> list[str]:
+        if not ids:
+            return []
+        candidates = {
+            r[0]
+            for r in conn.execute(
+                sa.select(file_refs.c.location).where(
+                    file_refs.c.job_id == job_id, file_refs.c.checkpoint_id.in_(ids)
+                )
+            )
+        }
+        for table in (file_refs, subtask_states, checkpoints):
+            conn.execute(
+                sa.delete(table).where(table.c.job_id == job_id, table.c.checkpoint_id.in_(ids))
+            )
+        if not candidates:
+            return []
+        still = {
+            r[0]
+            for r in conn.execute(
+                sa.select(file_refs.c.location).where(file_refs.c.location.in_(sorted(candidates)))
+            )
+        }
+        return sorted(candidates - still)
+
+    def remove_checkpoint(self, job_id: str, checkpoint_id: int) -> list[str]:
+        """Delete one checkpoint's record; returns the files nothing references any more."""
+        with self._tx() as conn:
+            return self._remove(conn, job_id, [checkpoint_id])
+
+    def _load(self, conn: Connection, row: Any) -> CompletedCheckpoint:
+        subtasks = tuple(
+            SubtaskState.from_row(r.operator, r.subtask, r.state)
+            for r in conn.execute(
+                sa.select(subtask_states)
+                .where(
+                    subtask_states.c.job_id == row.job_id,
+                    subtask_states.c.checkpoint_id == row.checkpoint_id,
+                )
+                .order_by(subtask_states.c.operator, subtask_states.c.subtask)
+            )
+        )
+        return CompletedCheckpoint(
+            row.job_id,
+            int(row.checkpoint_id),
+            row.kind,
+            row.triggered_at,
+            row.completed_at,
+            subtasks,
+            json.loads(row.stats),
+        )
+
+    def get(self, job_id: str | None, checkpoint_id: int) -> CompletedCheckpoint:
+        """One checkpoint; :class:`CheckpointNotFoundError` if there is none with that id."""
+        with self._tx() as conn:
+            query = sa.select(checkpoints).where(checkpoints.c.checkpoint_id == checkpoint_id)
+            if job_id is not None:
+                query = query.where(checkpoints.c.job_id == job_id)
+            rows = conn.execute(query).all()
+            if not rows:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {checkpoint_id} does not exist in {self._safe_url()}"
+                )
+            if len(rows) > 1:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {checkpoint_id} exists in several jobs: name one with --job"
+                )
+            return self._load(conn, rows[0])
+
+    def latest(self, job_id: str) -> CompletedCheckpoint | None:
+        """The newest completed checkpoint or savepoint of ``job_id``, if any."""
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.select(checkpoints)
+                .where(checkpoints.c.job_id == job_id)
+                .order_by(checkpoints.c.checkpoint_id.desc())
+                .limit(1)
+            ).first()
+            return None if row is None else self._load(conn, row)
+
+    def list(self, job_id: str | None = None) -> list[CompletedCheckpoint]:
+        """Every retained checkpoint (all jobs unless ``job_id``), oldest first, without states."""
+        with self._tx() as conn:
+            query = sa.select(checkpoints).order_by(
+                checkpoints.c.job_id, checkpoints.c.checkpoint_id
+            )
+            if job_id is not None:
+                query = query.where(checkpoints.c.job_id == job_id)
+            return [
+                CompletedCheckpoint(
+                    r.job_id,
+                    int(r.checkpoint_id),
+                    r.kind,
+                    r.triggered_at,
+                    r.completed_at,
+                    (),
+                    json.loads(r.stats),
+                )
+                for r in conn.execute(query)
+            ]
+
+    def referenced_files(self) -> set[str]:
+        """Every file any retained checkpoint references (for the orphan sweep)."""
+        with self._tx() as conn:
+            return {r[0] for r in conn.execute(sa.select(file_refs.c.location).distinct())}

@@ -1,0 +1,571 @@
+"""The embedded pipeline runtime: source -> keyed stateful operator -> transactional sink.
+
+One worker process hosts every task as a named thread; the checkpoint coordinator runs on
+the thread that calls :meth:`EmbeddedRuntime.run`. Records travel in batches through
+bounded inboxes (backpressure); checkpoint barriers are injected at the sources and
+aligned at every multi-input task (exactly once). A finite input ends with a final
+checkpoint, so that the sink commits everything, then every task stops.
+
+Restore: the latest completed checkpoint of the job gives the sources' offsets, the
+operator's keyed state (at any parallelism) and the sink's staged transactions, which are
+committed again (idempotently) before anything runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, Protocol
+
+from backends.changelog import ChangelogKeyedStateBackend
+from backends.handles import KeyedStateHandle, MaterializationHandle
+from backends.heap import HeapKeyedStateBackend
+from backends.keygroups import (
+    DEFAULT_MAX_PARALLELISM,
+    KeyGroupRange,
+    key_group_for,
+    subtask_for_key_group,
+)
+from backends.restore import restore_changelog_backend
+from backends.serializers import Serializer
+from backends.state import StateDescriptor
+from coordinator.channels import CONTROL, Barrier, CancelledBarrier, InputGate
+from coordinator.checkpoint import CheckpointCoordinator, CheckpointOptions
+from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
+from coordinator.sink import SinkTransactionHandle, TransactionalFileSink, commit
+from dstl.changelog import ChangelogOptions, ChangelogStorage
+from dstl.errors import ConfigError, JobFailedError, StateBackendError
+from dstl.fileio import FileIO
+from materializer.materializer import Materializer
+
+log = logging.getLogger(__name__)
+
+
+class StateAccess(Protocol):
+    """What a keyed function sees of its backend."""
+
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """The state object for ``descriptor``."""
+        ...
+
+
+class KeyedFunction(Protocol):
+    """User logic of the keyed operator. Called on its task thread only."""
+
+    def open(self, state: StateAccess) -> None:
+        """Declare states (called once, after restore)."""
+        ...
+
+    def process(self, key: Any, value: Any, emit: Callable[[Any], None]) -> None:
+        """Handle one record of ``key`` (the backend's current key is already ``key``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """A replayable source: ``open(subtask, parallelism, offset)`` yields ``(key, value)``
+    records from ``offset`` (records already emitted by that subtask)."""
+
+    name: str
+    parallelism: int
+    open: Callable[[int, int, int], Iterator[tuple[Any, Any]]]
+    rate_per_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSpec:
+    """The keyed stateful operator."""
+
+    name: str
+    parallelism: int
+    key_serializer: Serializer
+    function: Callable[[], KeyedFunction]
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+
+
+@dataclass(frozen=True, slots=True)
+class SinkSpec:
+    """The transactional file sink (parallelism 1): committed parts go to ``output_url``."""
+
+    name: str
+    output_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """A linear job: source -> keyed operator -> sink."""
+
+    job_id: str
+    source: SourceSpec
+    operator: OperatorSpec
+    sink: SinkSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """Where state goes and how often it is checkpointed and materialized."""
+
+    store_url: str
+    metadata_url: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    changelog: ChangelogOptions = field(default_factory=ChangelogOptions)
+    materialization_interval_s: float = 5.0
+    source_batch: int = 256
+    worker: str = "w0"
+
+    def __post_init__(self) -> None:
+        if self.materialization_interval_s <= 0 or self.source_batch < 1:
+            raise ConfigError("materialization interval and source batch must be positive")
+
+    def metadata_store(self, create: bool = True) -> MetadataStore:
+        """The metadata store: ``metadata_url``, else SQLite inside a local store."""
+        if self.metadata_url:
+            return MetadataStore(self.metadata_url, create=create)
+        fileio = FileIO(self.store_url, self.storage_options)
+        if fileio.scheme != "file":
+            raise ConfigError(f"store {self.store_url} is not local: give a metadata URL")
+        return MetadataStore.for_local_store(fileio.root_url[len("file://") :], create=create)
+
+
+@dataclass(frozen=True, slots=True)
+class _Trigger:
+    checkpoint_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Notify:
+    checkpoint_id: int
+    completed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _MaterializationDone:
+    handle: MaterializationHandle | None
+    error: BaseException | None
+
+
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What a run did: checkpoints, restore, and the attempt."""
+
+    attempt: int
+    restored_from: int | None
+    restore_s: float
+    checkpoints: list[CompletedCheckpoint]
+    state_entries: int
+    materializations: int
+
+
+class EmbeddedRuntime:
+    """Runs one :class:`Pipeline` attempt in this process until its input ends.
+
+    Owned by the thread calling :meth:`run` (the coordinator thread); task threads talk to
+    it through the coordinator's inbox and ``_failures``. ``on_checkpoint`` listeners run
+    on the coordinator thread after a checkpoint's record is committed.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        options: RuntimeOptions,
+        clock: Callable[[], float] = time.monotonic,
+        on_checkpoint: Callable[[CompletedCheckpoint], None] | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.options = options
+        self._clock = clock
+        self._on_checkpoint = on_checkpoint
+        self._failures: queue.Queue[BaseException] = queue.Queue()
+        self._sources_finished = 0
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+
+    def _fail(self, exc: BaseException) -> None:
+        log.error("task failed: %s", exc, exc_info=exc)
+        self._failures.put(exc)
+        self._wakeup.set()
+
+    def _source_finished(self) -> None:
+        with self._lock:
+            self._sources_finished += 1
+        self._wakeup.set()
+
+    def run(self, restore: bool = True) -> RunResult:
+        """Run to the end of the input (with a final checkpoint) and return what happened.
+
+        Raises :class:`JobFailedError` if a task fails or too many checkpoints fail.
+        """
+        p, o = self.pipeline, self.options
+        fileio = FileIO(o.store_url, o.storage_options)
+        output_io = FileIO(p.sink.output_url, o.storage_options)
+        store = o.metadata_store()
+        attempt = store.start_attempt(p.job_id)
+        latest = store.latest(p.job_id) if restore else None
+        storage = ChangelogStorage(fileio, p.job_id, f"{o.worker}-a{attempt:04d}", o.changelog)
+        src_gates = [InputGate(p.source.parallelism) for _ in range(p.operator.parallelism)]
+        sink_gate = InputGate(p.operator.parallelism)
+        sources = [_SourceTask(self, i, src_gates, latest) for i in range(p.source.parallelism)]
+        started = self._clock()
+        operators = [
+            _OperatorTask(self, i, src_gates[i], sink_gate, storage, fileio, attempt, latest)
+            for i in range(p.operator.parallelism)
+        ]
+        sink = _SinkTask(self, sink_gate, fileio, output_io, latest)
+        restore_s = self._clock() - started if latest is not None else 0.0
+        tasks: list[tuple[str, int]] = [(p.source.name, i) for i in range(p.source.parallelism)]
+        tasks += [(p.operator.name, i) for i in range(p.operator.parallelism)]
+        tasks.append((p.sink.name, 0))
+
+        def trigger(cid: int) -> None:
+            for s in sources:
+                s.control.put(_Trigger(cid))
+
+        def notify(cid: int, completed: bool) -> None:
+            for op in operators:
+                op.gate.put_control(_Notify(cid, completed))
+            sink.gate.put_control(_Notify(cid, completed))
+
+        coordinator = CheckpointCoordinator(
+            store,
+            p.job_id,
+            tasks,
+            trigger,
+            lambda cid: notify(cid, True),
+            lambda cid, _reason: notify(cid, False),
+            fileio,
+            o.checkpoint,
+        )
+        if self._on_checkpoint is not None:
+            coordinator.listeners.append(self._on_checkpoint)
+        for s in sources:
+            s.coordinator = coordinator
+        for op in operators:
+            op.coordinator = coordinator
+        sink.coordinator = coordinator
+        runnables: list[_SourceTask | _OperatorTask | _SinkTask] = [*sources, *operators, sink]
+        threads = [threading.Thread(target=t.run, name=t.name, daemon=True) for t in runnables]
+        for t in threads:
+            t.start()
+        final_id: int | None = None
+        try:
+            while True:
+                if not self._failures.empty():
+                    raise JobFailedError(f"a task failed: {self._failures.get()}")
+                now = self._clock()
+                with self._lock:
+                    all_done = self._sources_finished == p.source.parallelism
+                if all_done and final_id is None:
+                    coordinator.drain(now)
+                    if not coordinator.pending:
+                        final_id = coordinator.trigger(now)
+                elif final_id is None:
+                    coordinator.tick(now)
+                else:
+                    coordinator.drain(now)
+                    for cp in list(coordinator.pending.values()):
+                        if now - cp.triggered_at >= o.checkpoint.timeout_s:
+                            raise JobFailedError(f"final checkpoint {cp.checkpoint_id} timed out")
+                    if final_id not in coordinator.pending:
+                        if coordinator.latest_completed_id >= final_id:
+                            break
+                        final_id = None  # aborted: take another final checkpoint
+                self._wakeup.wait(0.005)
+                self._wakeup.clear()
+        finally:
+            for s in sources:
+                s.control.put(_Stop())
+            for op in operators:
+                op.gate.put_control(_Stop())
+            sink.gate.put_control(_Stop())
+            for t in threads:
+                t.join(timeout=30)
+            storage.close()
+            coordinator.close()
+            store.close()
+        return RunResult(
+            attempt,
+            latest.checkpoint_id if latest else None,
+            restore_s,
+            coordinator.completed,
+            sum(op.backend.inner.entry_count() for op in operators),
+            sum(op.materializations for op in operators),
+        )
+
+
+class _SourceTask:
+    """One source subtask. Its own thread; talks to the coordinator via acks."""
+
+    def __init__(
+        self,
+        rt: EmbeddedRuntime,
+        subtask: int,
+        outputs: list[InputGate],
+        latest: CompletedCheckpoint | None,
+    ) -> None:
+        spec = rt.pipeline.source
+        self.rt = rt
+        self.subtask = subtask
+        self.name = f"{spec.name}-{subtask}"
+        self.outputs = outputs
+        self.control: queue.Queue[Any] = queue.Queue()
+        self.coordinator: CheckpointCoordinator | None = None
+        self.offset = 0
+        if latest is not None:
+            states = latest.states_of(spec.name)
+            if len(states) != spec.parallelism:
+                raise ConfigError(
+                    f"checkpoint {latest.checkpoint_id} has {len(states)} subtasks of source "
+                    f"{spec.name!r}; the pipeline declares {spec.parallelism}"
+                )
+            self.offset = int(states[subtask].offset or 0)
+        op = rt.pipeline.operator
+        self._key_ser = op.key_serializer
+        self._route = (op.parallelism, op.max_parallelism)
+
+    def _handle(self, msg: Any) -> bool:
+        if isinstance(msg, _Stop):
+            return False
+        if isinstance(msg, _Trigger):
+            for gate in self.outputs:
+                gate.put(self.subtask, Barrier(msg.checkpoint_id))
+            assert self.coordinator is not None
+            spec = self.rt.pipeline.source
+            self.coordinator.acknowledge(
+                msg.checkpoint_id, SubtaskState(spec.name, self.subtask, offset=self.offset)
+            )
+        return True
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.rt._fail(exc)
+
+    def _run(self) -> None:
+        spec = self.rt.pipeline.source
+        batch_size = self.rt.options.source_batch
+        records = spec.open(self.subtask, spec.parallelism, self.offset)
+        start, start_offset = time.monotonic(), self.offset
+        parallelism, max_par = self._route
+        serialize = self._key_ser.serialize
+        exhausted = False
+        while True:
+            try:
+                while True:
+                    if not self._handle(self.control.get(block=exhausted)):
+                        return
+            except queue.Empty:
+                pass
+            batch = list(islice(records, batch_size))
+            if not batch:
+                exhausted = True
+                self.rt._source_finished()
+                continue
+            routed: dict[int, list[tuple[Any, Any]]] = {}
+            for rec in batch:
+                target = subtask_for_key_group(
+                    key_group_for(serialize(rec[0]), max_par), parallelism, max_par
+                )
+                routed.setdefault(target, []).append(rec)
+            for target, recs in routed.items():
+                self.outputs[target].put(self.subtask, recs)
+            self.offset += len(batch)
+            if spec.rate_per_s:
+                ahead = (self.offset - start_offset) / spec.rate_per_s - (time.monotonic() - start)
+                if ahead > 0:
+                    time.sleep(ahead)  # pacing a generated source, not waiting for a thread
+
+
+class _OperatorTask:
+    """One keyed operator subtask: its backend, materializer and user function."""
+
+    def __init__(
+        self,
+        rt: EmbeddedRuntime,
+        subtask: int,
+        gate: InputGate,
+        sink_gate: InputGate,
+        storage: ChangelogStorage,
+        fileio: FileIO,
+        attempt: int,
+        latest: CompletedCheckpoint | None,
+    ) -> None:
+        spec = rt.pipeline.operator
+        self.rt = rt
+        self.subtask = subtask
+        self.name = f"{spec.name}-{subtask}"
+        self.gate = gate
+        self.sink_gate = sink_gate
+        self.coordinator: CheckpointCoordinator | None = None
+        kgr = KeyGroupRange.for_subtask(subtask, spec.parallelism, spec.max_parallelism)
+        inner = HeapKeyedStateBackend(spec.key_serializer, kgr, spec.max_parallelism)
+        writer = storage.create_writer(f"{spec.name}-{subtask}-a{attempt:04d}")
+        self.backend = ChangelogKeyedStateBackend(inner, writer)
+        if latest is not None:
+            handles = [
+                h
+                for s in latest.states_of(spec.name)
+                for h in s.handles
+                if isinstance(h, KeyedStateHandle)
+            ]
+            restore_changelog_backend(self.backend, fileio, handles)
+        self.materializer = Materializer(
+            self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt._clock
+        )
+        self.function = spec.function()
+        self.function.open(self.backend)
+        interval = rt.options.materialization_interval_s
+        # A jittered first run spreads the subtasks' materializations apart.
+        self._next_materialization = rt._clock() + interval * (0.5 + random.random() / 2)
+        self._materializing = False
+        self.materializations = 0
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix=f"materialize-{self.name}")
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.rt._fail(exc)
+        finally:
+            self._uploader.shutdown(wait=True)
+
+    def _run(self) -> None:
+        backend, function = self.backend, self.function
+        out: list[Any] = []
+        emit = out.append
+        set_key = backend.set_current_key
+        process = function.process
+        while True:
+            self._maybe_materialize()
+            item = self.gate.next(timeout=0.05)
+            if item is None:
+                continue
+            channel, element = item
+            if channel != CONTROL:
+                for key, value in element:
+                    set_key(key)
+                    process(key, value, emit)
+                if out:
+                    self.sink_gate.put(self.subtask, out)
+                    out = []
+                    emit = out.append
+                continue
+            if isinstance(element, _Stop):
+                return
+            if isinstance(element, Barrier):
+                self._checkpoint(element.checkpoint_id)
+            elif isinstance(element, CancelledBarrier):
+                assert self.coordinator is not None
+                self.coordinator.decline(
+                    element.checkpoint_id,
+                    (self.rt.pipeline.operator.name, self.subtask),
+                    "alignment cancelled",
+                )
+            elif isinstance(element, _MaterializationDone):
+                self._materializing = False
+                if element.handle is not None:
+                    backend.materialization_done(element.handle)
+                    self.materializations += 1
+                else:
+                    log.warning("materialization failed task=%s error=%s", self.name, element.error)
+
+    def _checkpoint(self, checkpoint_id: int) -> None:
+        assert self.coordinator is not None
+        coordinator = self.coordinator
+        name = self.rt.pipeline.operator.name
+        started = time.monotonic()
+        future = self.backend.checkpoint(checkpoint_id)
+        self.sink_gate.put(self.subtask, Barrier(checkpoint_id))
+
+        def done(f: Future[KeyedStateHandle]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                coordinator.decline(checkpoint_id, (name, self.subtask), str(exc))
+                return
+            stats = {"async_ms": round((time.monotonic() - started) * 1e3, 3)}
+            coordinator.acknowledge(
+                checkpoint_id, SubtaskState(name, self.subtask, (f.result(),), stats=stats)
+            )
+
+        future.add_done_callback(done)
+
+    def _maybe_materialize(self) -> None:
+        now = self.rt._clock()
+        if self._materializing or now < self._next_materialization:
+            return
+        self._next_materialization = now + self.rt.options.materialization_interval_s
+        self._materializing = True
+        mat_id, snapshot = self.materializer.snapshot()
+
+        def upload() -> None:
+            try:
+                handle = self.materializer.upload(mat_id, snapshot)
+            except StateBackendError as exc:
+                self.gate.put_control(_MaterializationDone(None, exc))
+                return
+            self.gate.put_control(_MaterializationDone(handle, None))
+
+        self._uploader.submit(upload)
+
+
+class _SinkTask:
+    """The transactional sink subtask."""
+
+    def __init__(
+        self,
+        rt: EmbeddedRuntime,
+        gate: InputGate,
+        fileio: FileIO,
+        output_io: FileIO,
+        latest: CompletedCheckpoint | None,
+    ) -> None:
+        spec = rt.pipeline.sink
+        self.rt = rt
+        self.name = f"{spec.name}-0"
+        self.gate = gate
+        self.coordinator: CheckpointCoordinator | None = None
+        if latest is not None:  # commit what the restored checkpoint pre-committed
+            for s in latest.states_of(spec.name):
+                for h in s.handles:
+                    if isinstance(h, SinkTransactionHandle):
+                        commit(fileio, output_io, h)
+        self.sink = TransactionalFileSink(fileio, output_io, rt.pipeline.job_id, spec.name, 0)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.rt._fail(exc)
+
+    def _run(self) -> None:
+        name = self.rt.pipeline.sink.name
+        while True:
+            item = self.gate.next(timeout=0.1)
+            if item is None:
+                continue
+            channel, element = item
+            if channel != CONTROL:
+                self.sink.write(element)
+                continue
+            if isinstance(element, _Stop):
+                return
+            assert self.coordinator is not None
+            if isinstance(element, Barrier):
+                staged = self.sink.pre_commit(element.checkpoint_id)
+                self.coordinator.acknowledge(element.checkpoint_id, SubtaskState(name, 0, staged))
+            elif isinstance(element, CancelledBarrier):
+                self.coordinator.decline(element.checkpoint_id, (name, 0), "alignment cancelled")
+            elif isinstance(element, _Notify) and element.completed:
+                self.sink.commit_up_to(element.checkpoint_id)

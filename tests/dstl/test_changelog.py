@@ -1,0 +1,101 @@
+"""The changelog writer and storage: sequence ranges, batching, corruption detection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from dstl import ChangelogStorage, FileIO, read_changes
+from dstl.changelog import ChangelogOptions
+from dstl.errors import CorruptionError, StorageConflictError
+from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
+
+
+@pytest.fixture
+def fileio(tmp_path: Any) -> FileIO:
+    return FileIO(str(tmp_path))
+
+
+@pytest.fixture
+def storage(fileio: FileIO) -> Iterator[ChangelogStorage]:
+    with ChangelogStorage(fileio, "job", "w0", ChangelogOptions(batch_delay_s=0.05)) as st:
+        yield st
+
+
+def _rows(fileio: FileIO, handles: tuple[ChangelogHandle, ...], from_sqn: int = 0) -> list[bytes]:
+    return [v for t in read_changes(fileio, handles, from_sqn) for v in t["value"].to_pylist()]
+
+
+def test_persist_covers_from_sqn_without_gaps(fileio: FileIO, storage: ChangelogStorage) -> None:
+    w = storage.create_writer("a")
+    w.append(0, "s", 1, b"k", None, b"v1")
+    first = w.persist(0, 1).result()
+    w.append(0, "s", 1, b"k", None, b"v2")
+    second = w.persist(0, 2).result()
+    assert second[0] == first[0]
+    assert [(h.sqn_start, h.sqn_end) for h in second] == [(0, 1), (1, 2)]
+    assert _rows(fileio, second) == [b"v1", b"v2"]
+    assert _rows(fileio, second, from_sqn=1) == [b"v2"]
+    boundary = w.next_sqn()
+    assert w.persist(boundary, 3).result() == ()
+
+
+def test_writers_share_one_segment_per_upload(fileio: FileIO, storage: ChangelogStorage) -> None:
+    writers = [storage.create_writer(f"w{i}") for i in range(16)]
+    for i, w in enumerate(writers):
+        w.append(i, "s", 1, b"k", None, str(i).encode())
+    futures = [w.persist(0, 1) for w in writers]
+    handles = [f.result()[0] for f in futures]
+    assert len({h.location for h in handles}) < 16  # batched into few files
+    for i, h in enumerate(handles):
+        assert _rows(fileio, (h,)) == [str(i).encode()]
+
+
+def test_handles_round_trip_json(fileio: FileIO, storage: ChangelogStorage) -> None:
+    w = storage.create_writer("a")
+    w.append(3, "s", 1, b"k", b"uk", b"v")
+    (h,) = w.persist(0, 1).result()
+    assert handle_from_json(handle_to_json(h)) == h
+
+
+def test_truncated_segment_is_named_in_the_error(fileio: FileIO, storage: ChangelogStorage) -> None:
+    w = storage.create_writer("a")
+    w.append(3, "s", 1, b"k", None, b"v" * 1000)
+    (h,) = w.persist(0, 1).result()
+    path = fileio.relative(h.location)
+    data = fileio.read(path)
+    fileio.delete(path)
+    fileio.write_new(path, data[: len(data) // 2])
+    with pytest.raises(CorruptionError, match=path.split("/")[-1]):
+        list(read_changes(fileio, (h,)))
+
+
+def test_write_new_never_overwrites(fileio: FileIO) -> None:
+    fileio.write_new("x/a", b"1")
+    with pytest.raises(StorageConflictError):
+        fileio.write_new("x/a", b"2")
+    assert fileio.read("x/a") == b"1"
+
+
+def test_failed_upload_is_retried_by_the_next_persist(fileio: FileIO) -> None:
+    class Flaky(FileIO):
+        fail = True
+
+        def write_new(self, path: str, data: bytes) -> None:
+            if Flaky.fail:
+                Flaky.fail = False
+                raise OSError("disk full")
+            super().write_new(path, data)
+
+    flaky = Flaky(fileio.root_url)
+    with ChangelogStorage(flaky, "job", "w0") as st:
+        w = st.create_writer("a")
+        w.append(0, "s", 1, b"k", None, b"v")
+        with pytest.raises(Exception, match="disk full"):
+            w.persist(0, 1).result()
+        handles = w.persist(0, 2).result()
+    assert _rows(fileio, handles) == [b"v"]
+    assert isinstance(pa.table({"a": [1]}), pa.Table)

@@ -1,0 +1,1 @@
+"""Operator and data-team tools: the statectl CLI, the demo job, benchmarks."""

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh Debian 12 machine (Python 3.11), also fine on a ready one.
+#
+#   1. Debian packages, only the missing ones (one `apt-get update`, only if needed):
+#      PostgreSQL server binaries (initdb under /usr/lib/postgresql/*/bin),
+#      a Java 17 runtime (if `java` is not on PATH), python3.11 + venv, make.
+#   2. .venv with python3.11, if absent (or broken).
+#   3. pip install -c tools/setup/constraints.txt -e ".[test]", only when pyproject.toml or
+#      constraints.txt changed since the last successful install (hash in .venv/.bootstrap-stamp).
+#
+# A second run does nothing and takes well under a second.
+# Environment: PYTHON=/path/to/python3.11 to choose the interpreter for a new venv;
+#              BOOTSTRAP_FORCE=1 to reinstall even if the stamp matches.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+ROOT="$PWD"
+VENV="$ROOT/.venv"
+STAMP="$VENV/.bootstrap-stamp"
+CONSTRAINTS="tools/setup/constraints.txt"
+
+log() { printf 'bootstrap: %s\n' "$*" >&2; }
+die() { printf 'bootstrap: ERROR: %s\n' "$*" >&2; exit 1; }
+
+# --- 1. Debian packages -------------------------------------------------------------------
+missing=()
+
+if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+    missing+=(postgresql)               # Debian 12: PostgreSQL 15 (server, initdb, pg_ctl)
+fi
+if ! command -v java >/dev/null 2>&1; then
+    missing+=(openjdk-17-jre-headless)
+fi
+PYTHON="${PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+    PYTHON="$(command -v python3.11 || true)"
+fi
+if [[ -z "$PYTHON" ]]; then
+    missing+=(python3.11 python3.11-venv)
+    PYTHON=/usr/bin/python3.11
+elif [[ ! -x "$VENV/bin/python" ]] && ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    missing+=(python3.11-venv)          # Debian splits ensurepip out of python3.11
+fi
+if ! command -v make >/dev/null 2>&1; then
+    missing+=(make)
+fi
+
+if ((${#missing[@]})); then
+    SUDO=()
+    if [[ "$(id -u)" -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || die "need root (or sudo) to install: ${missing[*]}"
+        SUDO=(sudo)
+    fi
+    command -v apt-get >/dev/null 2>&1 || die "no apt-get; install by hand: ${missing[*]}"
+    log "installing Debian packages: ${missing[*]}"
+    "${SUDO[@]}" apt-get update -qq || die "apt-get update failed"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+        || die "apt-get install ${missing[*]} failed"
+fi
+
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null \
+    || die "PostgreSQL server binaries still missing (/usr/lib/postgresql/*/bin/initdb)"
+command -v java >/dev/null 2>&1 || die "java still not on PATH"
+
+# --- 2. virtualenv ------------------------------------------------------------------------
+if ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
+    [[ -x "$PYTHON" ]] || die "no python3.11 interpreter ($PYTHON)"
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 11))' \
+        || die "$PYTHON is older than 3.11"
+    log "creating $VENV with $PYTHON"
+    "$PYTHON" -m venv --clear "$VENV" || die "python -m venv failed"
+fi
+
+# --- 3. project + pinned dependencies -----------------------------------------------------
+want="$(cat pyproject.toml "$CONSTRAINTS" | sha256sum | cut -d' ' -f1)"
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if [[ "$want" != "$have" || -n "${BOOTSTRAP_FORCE:-}" ]]; then
+    log "installing the project and its pinned dependencies into $VENV"
+    rm -f "$STAMP"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
+        -c "$CONSTRAINTS" -e ".[test]" \
+        || die "pip install -c $CONSTRAINTS -e .[test] failed"
+    "$VENV/bin/python" -c 'import pyarrow, fsspec, s3fs, sqlalchemy, rocksdict, pyspark, moto, psycopg' \
+        || die "installed, but a dependency does not import"
+    printf '%s\n' "$want" >"$STAMP.tmp" && mv -f "$STAMP.tmp" "$STAMP"
+    log "done"
+fi
