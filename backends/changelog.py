@@ -13,9 +13,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from backends.handles import KeyedStateHandle, MaterializationHandle
-from backends.heap import HeapKeyedStateBackend, StateSnapshot
+from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, pack_list
+from backends.snapshot import MaterializationSnapshot
 from backends.state import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -250,7 +251,7 @@ class ChangelogKeyedStateBackend:
         persisted.add_done_callback(done)
         return result
 
-    def snapshot_for_materialization(self) -> StateSnapshot:
+    def snapshot_for_materialization(self) -> MaterializationSnapshot:
         """Close the active change set and copy the state (the synchronous part)."""
         return self.inner.snapshot(sqn=self.writer.next_sqn())
 

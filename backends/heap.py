@@ -13,6 +13,7 @@ from typing import Any
 
 from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
 from backends.serializers import Serializer, serializer_for
+from backends.snapshot import SnapshotFile
 from backends.state import (
     ListStateDescriptor,
     MapStateDescriptor,
@@ -26,12 +27,18 @@ from dstl.errors import ConfigError, StateBackendError
 Table = dict[int, dict[Any, Any]]
 
 
+KEY_GROUPS_PER_FILE = 16
+
+
 @dataclass(frozen=True, slots=True)
 class StateSnapshot:
-    """A consistent copy of a backend's state, taken on the task thread.
+    """A consistent copy of a heap backend's state, taken on the task thread.
 
     ``tables`` must not be shared with the live backend (the materializer reads it on
     another thread). ``sqn`` is the changelog boundary it covers (``None`` without a log).
+    Implements :class:`~backends.snapshot.MaterializationSnapshot` with kind
+    ``heap-parquet``: one Parquet file per state and chunk of ``KEY_GROUPS_PER_FILE``
+    key groups, so that chunks that did not change can be shared.
     """
 
     key_serializer: Serializer
@@ -39,6 +46,44 @@ class StateSnapshot:
     metas: dict[str, StateMeta]
     tables: dict[str, Table]
     sqn: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The table format: typed Parquet state tables."""
+        return "heap-parquet"
+
+    def files(self) -> Iterator[SnapshotFile]:
+        """Parquet bytes per state and key-group chunk; every state has at least one file."""
+        from backends.tables import table_for, table_to_parquet  # tables imports this module
+
+        rng = self.key_group_range
+        for name, meta in sorted(self.metas.items()):
+            table = self.tables.get(name, {})
+            wrote = False
+            for start in range(
+                rng.start - rng.start % KEY_GROUPS_PER_FILE, rng.end, KEY_GROUPS_PER_FILE
+            ):
+                lo, hi = max(start, rng.start), min(start + KEY_GROUPS_PER_FILE, rng.end)
+                if not any(kg in table for kg in range(lo, hi)):
+                    continue
+                arrow = table_for(meta, self.key_serializer, table, range(lo, hi))
+                wrote = True
+                yield SnapshotFile(
+                    f"{name}.kg{lo:04x}-{hi:04x}.parquet",
+                    name,
+                    lo,
+                    hi,
+                    arrow.num_rows,
+                    table_to_parquet(arrow),
+                )
+            if not wrote:  # an empty state still records its metadata
+                arrow = table_for(meta, self.key_serializer, {})
+                yield SnapshotFile(
+                    f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
+                )
+
+    def release(self) -> None:
+        """Nothing to free: the copy lives in memory."""
 
 
 class _HeapValueState:

@@ -39,6 +39,8 @@ def _load_materialization(
     handle: MaterializationHandle,
     key_groups: KeyGroupRange,
 ) -> None:
+    if handle.kind != "heap-parquet":
+        raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
     decoded: list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]] = []
     for f in handle.state_files:
         table = parquet_to_table(fileio.read(fileio.relative(f.location)), f.location)

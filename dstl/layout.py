@@ -7,7 +7,7 @@ hex so that a listing sorts in numeric order. Paths are relative to the store ro
 
     metadata.db                                         (local stores: SQLite metadata)
     jobs/<job>/changelog/<worker>/<counter:016x>-<nonce>.parquet
-    jobs/<job>/materialized/<operator>/<subtask:04x>/<mat:016x>-<nonce>/<table>.parquet
+    jobs/<job>/materialized/<operator>/<subtask:04x>/<mat:016x>-<nonce>/<state-file>
     jobs/<job>/shared/<operator>/<subtask:04x>/<file-id>          (shared state files)
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>.jsonl
     savepoints/<job>/<checkpoint:016x>/...
@@ -69,9 +69,9 @@ def materialization_dir(job: str, operator: str, subtask: int, mat_id: int, nonc
     )
 
 
-def state_table_path(directory: str, table: str) -> str:
-    """Path of one state table inside a materialization directory."""
-    return f"{directory}/{check_name('state table', table)}.parquet"
+def state_file_path(directory: str, name: str) -> str:
+    """Path of one state file (a table chunk, an SST) inside a materialization directory."""
+    return f"{directory}/{check_name('state file', name)}"
 
 
 def sink_transaction_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:

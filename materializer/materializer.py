@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from backends.changelog import ChangelogKeyedStateBackend
 from backends.handles import MaterializationHandle, StateFileHandle
-from backends.heap import StateSnapshot
-from backends.tables import snapshot_tables, table_to_parquet
+from backends.snapshot import MaterializationSnapshot
 from dstl import layout
 from dstl.errors import ConfigError
 from dstl.fileio import FileIO
@@ -65,13 +64,13 @@ class Materializer:
         self._next_id = 1
         self.last_stats: MaterializationStats | None = None
 
-    def snapshot(self) -> tuple[int, StateSnapshot]:
+    def snapshot(self) -> tuple[int, MaterializationSnapshot]:
         """The synchronous part: a materialization id and a consistent state copy."""
         mat_id = self._next_id
         self._next_id += 1
         return mat_id, self.backend.snapshot_for_materialization()
 
-    def upload(self, mat_id: int, snapshot: StateSnapshot) -> MaterializationHandle:
+    def upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> MaterializationHandle:
         """The asynchronous part: write every state table; the handle lists them all."""
         if snapshot.sqn is None:
             raise ConfigError("a materialization snapshot needs a changelog sqn")
@@ -80,28 +79,31 @@ class Materializer:
             self.job, self.operator, self.subtask, mat_id, uuid.uuid4().hex[:8]
         )
         files: list[StateFileHandle] = []
-        for meta, table in snapshot_tables(snapshot):
-            data = table_to_parquet(table)
-            path = layout.state_table_path(directory, meta.name)
-            self.fileio.write_new(path, data)
-            files.append(
-                StateFileHandle(
-                    location=self.fileio.url(path),
-                    size_bytes=len(data),
-                    file_id=hashlib.blake2b(data, digest_size=16).hexdigest(),
-                    state=meta.name,
-                    key_group_start=snapshot.key_group_range.start,
-                    key_group_end=snapshot.key_group_range.end,
-                    rows=table.num_rows,
+        try:
+            for f in snapshot.files():
+                data = f.data if f.data is not None else _read_local(f.local_path)
+                path = layout.state_file_path(directory, f.name)
+                self.fileio.write_new(path, data)
+                files.append(
+                    StateFileHandle(
+                        location=self.fileio.url(path),
+                        size_bytes=len(data),
+                        file_id=hashlib.blake2b(data, digest_size=16).hexdigest(),
+                        state=f.state,
+                        key_group_start=f.key_group_start,
+                        key_group_end=f.key_group_end,
+                        rows=f.rows,
+                    )
                 )
-            )
+        finally:
+            snapshot.release()
         rng = snapshot.key_group_range
         handle = MaterializationHandle(
             writer_id=self.backend.backend_id,
             sqn=snapshot.sqn,
             key_group_start=rng.start,
             key_group_end=rng.end,
-            kind="heap-parquet",
+            kind=snapshot.kind,
             state_files=tuple(files),
             materialization_id=mat_id,
         )
@@ -123,3 +125,9 @@ class Materializer:
         handle = self.upload(mat_id, snap)
         self.backend.materialization_done(handle)
         return handle
+
+
+def _read_local(path: str | None) -> bytes:
+    assert path is not None
+    with open(path, "rb") as fh:
+        return fh.read()

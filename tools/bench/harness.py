@@ -1,0 +1,88 @@
+"""The benchmark harness: discover, run, print a table, write JSON."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import platform
+import time
+from types import ModuleType
+from typing import Any
+
+import tools.bench
+
+_NOT_BENCHMARKS = {"harness", "__main__"}
+
+
+def available() -> list[str]:
+    """Names of every benchmark module (with dashes)."""
+    names = [
+        m.name for m in pkgutil.iter_modules(tools.bench.__path__) if m.name not in _NOT_BENCHMARKS
+    ]
+    return sorted(n.replace("_", "-") for n in names)
+
+
+def load(name: str) -> ModuleType:
+    """The module of benchmark ``name``; ValueError if there is none."""
+    if name not in available():
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(available())}")
+    return importlib.import_module(f"tools.bench.{name.replace('-', '_')}")
+
+
+def format_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of ``rows`` restricted to ``columns``."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+        for i, c in enumerate(columns)
+    ]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def run(name: str, quick: bool) -> dict[str, Any]:
+    """Run one benchmark and wrap its result with run metadata."""
+    module = load(name)
+    started = time.time()
+    result: dict[str, Any] = module.run(quick)
+    return {
+        "benchmark": name,
+        "quick": quick,
+        "started_at": started,
+        "duration_s": round(time.time() - started, 3),
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "columns": list(module.COLUMNS),
+        **result,
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The table of one result, then its summary fields."""
+    print(
+        f"== {result['benchmark']} ({'quick' if result['quick'] else 'full'}, {result['duration_s']} s)"
+    )
+    print(format_table(result["columns"], result.get("cases", [])))
+    for key, value in result.items():
+        if key not in {
+            "benchmark",
+            "quick",
+            "started_at",
+            "duration_s",
+            "machine",
+            "columns",
+            "cases",
+        }:
+            print(f"{key}: {json.dumps(value) if not isinstance(value, str) else value}")
