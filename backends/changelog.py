@@ -251,6 +251,11 @@ class ChangelogKeyedStateBackend:
         persisted.add_done_callback(done)
         return result
 
+    def changed_since_materialization(self) -> bool:
+        """Whether anything was logged since the current base (or since the start)."""
+        last = self.writer.last_appended_sqn()
+        return last is not None and last >= self._log_from_sqn
+
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
         """Close the active change set and copy the state (the synchronous part)."""
         return self.inner.snapshot(sqn=self.writer.next_sqn())

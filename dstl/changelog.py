@@ -215,6 +215,17 @@ class ChangelogWriter:
         if buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
             self._submit_buffer()
 
+    def last_appended_sqn(self) -> int | None:
+        """The sqn of the newest record appended (None if none since ``initial_sqn``).
+
+        Derived, not tracked per append, so the hot path pays nothing for it.
+        """
+        if len(self._buffer):
+            return self._buffer.sqn[-1]
+        if self._uploads:
+            return self._uploads[-1].sqn_end - 1
+        return None
+
     def next_sqn(self) -> int:
         """Close the active change set and return the boundary sqn.
 
