@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import backends.handles  # noqa: F401 - registers the handle types stored in checkpoints
+import coordinator.sink  # noqa: F401 - registers the sink transaction handle
 from coordinator.metadata import MetadataStore
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -229,8 +231,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, err = EXIT_REFUSED, exc
     except StateBackendError as exc:
         code, err = EXIT_FAIL, exc
-    print(f"statectl: error: {err}", file=sys.stderr)
+    print(f"statectl: error: {one_line(err)}", file=sys.stderr)
     return code
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line: drivers' multi-line messages and doc links folded away."""
+    lines = [
+        ln.strip()
+        for ln in str(exc).splitlines()
+        if ln.strip() and not ln.startswith("(Background")
+    ]
+    return " ".join(lines)
 
 
 if __name__ == "__main__":
