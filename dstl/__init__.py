@@ -6,6 +6,7 @@ Knows nothing of state types, RocksDB or checkpoints.
 from dstl.changelog import ChangelogOptions, ChangelogStorage, ChangelogWriter, read_changes
 from dstl.fileio import FileInfo, FileIO
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json, register_handle
+from dstl.retry import InFlightBudget, ManualClock, RetryPolicy, SystemClock
 
 __all__ = [
     "ChangelogHandle",
@@ -14,6 +15,10 @@ __all__ = [
     "ChangelogWriter",
     "FileIO",
     "FileInfo",
+    "InFlightBudget",
+    "ManualClock",
+    "RetryPolicy",
+    "SystemClock",
     "handle_from_json",
     "handle_to_json",
     "read_changes",

@@ -6,9 +6,22 @@ the writer's active sqn, and the active sqn is bumped only when a boundary is ne
 ``S`` splits the log exactly: records appended before have ``sqn < S``, after ``sqn >= S``.
 
 Threads: a :class:`ChangelogWriter` is owned by one task thread. The
-:class:`ChangelogStorage` owns one named upload thread that batches the persist requests
-of all its writers into one segment file per upload and completes their futures. Results
-reach the task thread through those futures; no lock is held across I/O.
+:class:`ChangelogStorage` owns one named upload thread (``dstl-upload-<worker>``) that
+batches the persist requests of all its writers into one segment file per upload and
+completes their futures, and a small named pool (``dstl-attempt-<worker>``) running upload
+attempts (retried and hedged, see :mod:`dstl.retry`). Results reach the task thread through
+those futures; no lock is held across I/O. Both are joined in :meth:`ChangelogStorage.close`.
+
+Backpressure: bytes handed to uploads are bounded by ``in_flight_max_bytes``; a writer's
+pre-emptive upload (in ``append``) or ``persist`` blocks until they fit, and never fails
+because uploads are slow.
+
+Segment lifetime (see :mod:`dstl.tracking` for the full rule): a segment is tracked from
+its upload until the coordinator confirms a checkpoint referencing it (then the
+coordinator's metadata store owns it and the DSTL never deletes it), or until no pending
+checkpoint claims it and every writer with a block in it has truncated past that block
+(then the storage deletes it). Nothing is deleted while an in-flight persist or a
+not-yet-truncated range may still need it; closing deletes nothing.
 """
 
 from __future__ import annotations
@@ -19,42 +32,65 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dstl import layout
-from dstl.errors import ConfigError, StateBackendError, StorageError
-from dstl.fileio import FileIO
+from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
+from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
+from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
 from dstl.segment import SCHEMA, Block, SegmentReader, encode_segment
+from dstl.tracking import SegmentTracker
 
 log = logging.getLogger(__name__)
 
 BLOCK_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "writer"])
 META_KEY_GROUP = -1
+_MAX_WINDOW = 10  # a batch stays open at most this many batch delays
 
 
 @dataclass(frozen=True, slots=True)
 class ChangelogOptions:
     """Options of a changelog storage.
 
-    Dotted keys (see :meth:`from_dict`): ``dstl.batch.delay-s``, ``dstl.batch.max-bytes``,
-    ``dstl.preemptive-persist-bytes``, ``dstl.in-flight.max-bytes``.
+    Dotted keys (see :meth:`from_dict`):
+
+    ================================  ==========================================  =======
+    key                               meaning                                     default
+    ================================  ==========================================  =======
+    ``dstl.batch.delay-s``            batch persists arriving within this gap     0.010
+    ``dstl.batch.max-bytes``          ...or until this many bytes are waiting     16 MiB
+    ``dstl.preemptive-persist-bytes`` upload a writer's buffer above this size    5 MiB
+    ``dstl.in-flight.max-bytes``      backpressure: bytes in uploads at most      100 MiB
+    ``dstl.upload.max-attempts``      attempts per segment (hedges count)         3
+    ``dstl.upload.attempt-timeout-s`` hedge an attempt slower than this ("none")  10
+    ``dstl.upload.retry-delay-s``     first retry delay after a transient error   0.1
+    ``dstl.upload.retry-max-delay-s`` cap of the exponential retry delay          2
+    ================================  ==========================================  =======
     """
 
     batch_delay_s: float = 0.010
     batch_max_bytes: int = 16 * 1024 * 1024
     preemptive_persist_bytes: int = 5 * 1024 * 1024
     in_flight_max_bytes: int = 100 * 1024 * 1024
+    upload_max_attempts: int = 3
+    upload_attempt_timeout_s: float | None = 10.0
+    upload_retry_delay_s: float = 0.1
+    upload_retry_max_delay_s: float = 2.0
 
     KEYS = {
         "dstl.batch.delay-s": ("batch_delay_s", float),
         "dstl.batch.max-bytes": ("batch_max_bytes", int),
         "dstl.preemptive-persist-bytes": ("preemptive_persist_bytes", int),
         "dstl.in-flight.max-bytes": ("in_flight_max_bytes", int),
+        "dstl.upload.max-attempts": ("upload_max_attempts", int),
+        "dstl.upload.attempt-timeout-s": ("upload_attempt_timeout_s", float),
+        "dstl.upload.retry-delay-s": ("upload_retry_delay_s", float),
+        "dstl.upload.retry-max-delay-s": ("upload_retry_max_delay_s", float),
     }
 
     def __post_init__(self) -> None:
@@ -63,15 +99,28 @@ class ChangelogOptions:
         for name in ("batch_max_bytes", "preemptive_persist_bytes", "in_flight_max_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        self.retry_policy()  # validates the upload options
+
+    def retry_policy(self) -> RetryPolicy:
+        """The :class:`RetryPolicy` these options describe."""
+        return RetryPolicy(
+            max_attempts=self.upload_max_attempts,
+            base_delay_s=self.upload_retry_delay_s,
+            max_delay_s=self.upload_retry_max_delay_s,
+            attempt_timeout_s=self.upload_attempt_timeout_s,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, str | int | float]) -> ChangelogOptions:
         """Parse documented dotted keys; unknown keys are a :class:`ConfigError`."""
-        kwargs: dict[str, int | float] = {}
+        kwargs: dict[str, int | float | None] = {}
         for key, raw in values.items():
             if key not in cls.KEYS:
                 raise ConfigError(f"unknown changelog option {key!r}; known: {sorted(cls.KEYS)}")
             name, typ = cls.KEYS[key]
+            if name == "upload_attempt_timeout_s" and str(raw).strip().lower() == "none":
+                kwargs[name] = None
+                continue
             try:
                 kwargs[name] = typ(raw)
             except (TypeError, ValueError) as exc:
@@ -155,12 +204,18 @@ class _Request:
     nbytes: int = field(default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Delete:
+    paths: tuple[str, ...]
+
+
 class ChangelogWriter:
     """Appends state changes of one backend instance and persists them on request.
 
     Task thread only. Invariants: records carry the active sqn; handles returned by
     :meth:`persist` cover ``[from_sqn, boundary)`` without gaps, in sqn order; changes
-    whose upload failed are kept and uploaded again by the next persist.
+    whose upload failed are kept and uploaded again by the next persist; ``persist`` below
+    the truncation point is refused (those changes may be gone).
     """
 
     def __init__(self, storage: ChangelogStorage, writer_id: str, initial_sqn: int = 0) -> None:
@@ -170,6 +225,7 @@ class ChangelogWriter:
         self._buffer = ChangeBuffer()
         self._buffer_start = initial_sqn  # lowest sqn the buffer may hold
         self._uploads: list[_Upload] = []
+        self._truncated_to: int | None = None
         self._closed = False
 
     # -- appending --------------------------------------------------------------------
@@ -212,6 +268,8 @@ class ChangelogWriter:
         buffer.user_key.extend(user_keys if user_keys is not None else [None] * n)
         buffer.value.extend(values)
         buffer.nbytes += sum(map(len, keys)) + sum(len(v) for v in values if v) + 24 * n
+        if user_keys is not None:
+            buffer.nbytes += sum(len(u) for u in user_keys if u)
         if buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
             self._submit_buffer()
 
@@ -250,12 +308,20 @@ class ChangelogWriter:
         self._storage._submit(self.writer_id, upload)
 
     def persist(self, from_sqn: int, checkpoint_id: int) -> Future[tuple[ChangelogHandle, ...]]:
-        """Make every change with ``sqn >= from_sqn`` durable.
+        """Make every change with ``sqn >= from_sqn`` durable, for ``checkpoint_id``.
 
-        Returns a future of the handles covering ``[from_sqn, boundary)``, in order. Uploads
-        that failed before are retried here. ``checkpoint_id`` is for logging and tracking.
+        Returns a future of the handles covering ``[from_sqn, boundary)``, in order; it
+        fails with :class:`~dstl.errors.UploadFailedError` if an upload gave up. Uploads
+        that failed before are retried here. The segments of the returned handles are
+        claimed by ``checkpoint_id`` until :meth:`confirm` or :meth:`reset`. May block
+        under backpressure.
         """
         self._check_open()
+        if self._truncated_to is not None and from_sqn < self._truncated_to:
+            raise StateBackendError(
+                f"writer {self.writer_id}: cannot persist from sqn {from_sqn}, "
+                f"the log was truncated to {self._truncated_to}"
+            )
         self._submit_buffer()
         wanted: list[_Upload] = []
         for upload in self._uploads:
@@ -267,6 +333,7 @@ class ChangelogWriter:
                 upload.future = Future()
                 self._storage._submit(self.writer_id, upload)
             wanted.append(upload)
+        self._storage._tracker.claim(self.writer_id, checkpoint_id, [u.sqn_start for u in wanted])
         for upload in self._uploads:  # drop tables already durable: no need to keep them
             if upload.future.done() and upload.future.exception() is None:
                 upload.table = None
@@ -280,17 +347,26 @@ class ChangelogWriter:
         return _all_of([u.future for u in wanted])
 
     def truncate(self, to_sqn: int) -> None:
-        """Forget uploads entirely below ``to_sqn`` (materialized and no longer needed).
+        """Forget changes below ``to_sqn`` (materialized; no future checkpoint needs them).
 
-        The segment files themselves are released by the checkpoints referencing them.
+        Segments whose every block is truncated and unclaimed are deleted by the storage
+        (on its upload thread); see :mod:`dstl.tracking`.
         """
         self._uploads = [u for u in self._uploads if u.sqn_end > to_sqn or not u.future.done()]
+        if self._truncated_to is None or to_sqn > self._truncated_to:
+            self._truncated_to = to_sqn
+        self._storage._delete_later(self._storage._tracker.truncate(self.writer_id, to_sqn))
 
     def confirm(self, checkpoint_id: int) -> None:
-        """The checkpoint completed (nothing to do yet: tracking is in the coordinator)."""
+        """The checkpoint completed: its segments now belong to the coordinator's store.
+
+        The DSTL never deletes them afterwards (the metadata store counts references).
+        """
+        self._storage._tracker.confirm(self.writer_id, checkpoint_id)
 
     def reset(self, checkpoint_id: int) -> None:
-        """The checkpoint was aborted; its uploads stay usable by later checkpoints."""
+        """The checkpoint was aborted: drop its claims; its uploads stay usable later."""
+        self._storage._delete_later(self._storage._tracker.reset(self.writer_id, checkpoint_id))
 
     def close(self) -> None:
         """Stop accepting changes. Futures already returned still complete."""
@@ -331,8 +407,13 @@ class ChangelogStorage:
     """One per worker process: creates writers and uploads their changes in batches.
 
     Thread-safe: writers (on their task threads) submit through a queue; the upload thread
-    (named ``dstl-upload-<worker>``) owns the batching. In-flight bytes are bounded by
+    (named ``dstl-upload-<worker>``) owns the batching; attempts run on the named pool
+    ``dstl-attempt-<worker>``. ``self._lock`` guards the segment counter only; the budget
+    and the tracker guard themselves. In-flight bytes are bounded by
     ``options.in_flight_max_bytes``: submitting blocks (backpressure) instead of failing.
+    ``clock`` may be a plain ``() -> float`` or a :class:`~dstl.retry.Clock` (tests pass a
+    :class:`~dstl.retry.ManualClock` to drive hedging without sleeping). With
+    ``start_thread=False`` nothing uploads until :meth:`drain_once` is called.
     Use as a context manager, or call :meth:`close`.
     """
 
@@ -342,21 +423,27 @@ class ChangelogStorage:
         job: str,
         worker: str,
         options: ChangelogOptions | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | Clock = time.monotonic,
         start_thread: bool = True,
     ) -> None:
         self.fileio = fileio
         self.job = layout.check_name("job", job)
         self.worker = layout.check_name("worker", worker)
         self.options = options or ChangelogOptions()
-        self._clock = clock
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._policy = self.options.retry_policy()
+        self._clock = as_clock(clock)
+        self._queue: queue.Queue[_Request | _Delete | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._budget = threading.Condition(self._lock)
-        self._in_flight_bytes = 0
+        self.budget = InFlightBudget(self.options.in_flight_max_bytes)
+        self._tracker = SegmentTracker()
         self._counter = 0
         self._closed = False
         self.segments_written = 0
+        self.segments_deleted = 0
+        self.upload_attempts = 0
+        self._attempts = ThreadPoolExecutor(
+            max_workers=2 * self._policy.max_attempts, thread_name_prefix=f"dstl-attempt-{worker}"
+        )
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(
@@ -374,21 +461,24 @@ class ChangelogStorage:
         """A new writer for one backend instance; ``writer_id`` must be unique in the job."""
         return ChangelogWriter(self, writer_id, initial_sqn)
 
+    def tracked_segments(self) -> dict[str, bool]:
+        """Relative paths of tracked segments -> whether handed over to the coordinator."""
+        return self._tracker.tracked()
+
     def _submit(self, writer_id: str, upload: _Upload) -> None:
         assert upload.table is not None
         nbytes = int(upload.table.nbytes)
-        with self._budget:
-            while (
-                self._in_flight_bytes > 0
-                and self._in_flight_bytes + nbytes > self.options.in_flight_max_bytes
-            ):
-                self._budget.wait()
-            self._in_flight_bytes += nbytes
+        self._tracker.submitted(writer_id, upload.sqn_start, upload.sqn_end)
+        self.budget.acquire(nbytes)  # backpressure: blocks the task thread, never fails
         self._queue.put(
             _Request(
                 writer_id, upload.sqn_start, upload.sqn_end, upload.table, upload.future, nbytes
             )
         )
+
+    def _delete_later(self, paths: list[str]) -> None:
+        if paths:
+            self._queue.put(_Delete(tuple(paths)))
 
     # -- the upload loop: a thin shell around drain_once -----------------------------------
     def _run(self) -> None:
@@ -399,7 +489,9 @@ class ChangelogStorage:
     def drain_once(self, block: bool = False) -> bool:
         """Take the waiting requests (batching for ``batch_delay_s``), write one segment.
 
-        Returns False once the storage is closed and the queue is empty.
+        Also performs deletions queued meanwhile. Returns False once the storage is closed
+        and the queue is empty. Called by the upload thread, or by tests with
+        ``start_thread=False``.
         """
         try:
             first = self._queue.get(block=block)
@@ -407,9 +499,17 @@ class ChangelogStorage:
             return True
         if first is None:
             return False
+        if isinstance(first, _Delete):
+            self._delete(first.paths)
+            return True
         batch = [first]
+        deletes: list[str] = []
         size = first.nbytes
-        deadline = self._clock() + self.options.batch_delay_s
+        # The batch closes once no request arrived for batch_delay_s (so the persists of
+        # many writers at one checkpoint share a segment even when the task threads are
+        # slow to issue them), at the latest after _MAX_WINDOW delays, or when it is full.
+        opened = self._clock()
+        deadline = opened + self.options.batch_delay_s
         stop = False
         while size < self.options.batch_max_bytes:
             remaining = deadline - self._clock()
@@ -422,56 +522,109 @@ class ChangelogStorage:
             if nxt is None:
                 stop = True
                 break
+            if isinstance(nxt, _Delete):
+                deletes.extend(nxt.paths)
+                continue
             batch.append(nxt)
             size += nxt.nbytes
+            deadline = min(
+                self._clock() + self.options.batch_delay_s,
+                opened + _MAX_WINDOW * self.options.batch_delay_s,
+            )
         self._upload(batch)
+        self._delete(deletes)
         return not stop
 
-    def _upload(self, batch: list[_Request]) -> None:
+    def _write_attempt(self, path: str, data: bytes) -> None:
+        with self._lock:
+            self.upload_attempts += 1
+        try:
+            self.fileio.write_new(path, data)
+        except StorageError:
+            raise
+        except Exception as exc:  # a FileIO wrapper may raise raw library errors
+            raise translate_error(exc, self.fileio.url(path)) from exc
+
+    def _new_path(self) -> str:
         with self._lock:
             self._counter += 1
             counter = self._counter
-        path = layout.segment_path(self.job, self.worker, counter, uuid.uuid4().hex[:12])
+        return layout.segment_path(self.job, self.worker, counter, uuid.uuid4().hex[:12])
+
+    def _upload(self, batch: list[_Request]) -> None:
+        blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
+        write: HedgedWrite | None = None
         try:
             data = encode_segment(
                 [Block(r.writer_id, r.sqn_start, r.sqn_end, r.table) for r in batch]
             )
-            self.fileio.write_new(path, data)
-        except (StorageError, OSError, ValueError, pa.ArrowException) as exc:
-            log.warning("segment upload failed path=%s error=%s", path, exc)
-            err = (
-                exc
-                if isinstance(exc, StorageError)
-                else StorageError(f"segment upload failed ({exc})", path)
+            write = HedgedWrite(
+                self._write_attempt,
+                self.fileio.delete,
+                self._new_path,
+                data,
+                self._policy,
+                self._clock,
+                self._attempts,
             )
-            self._release(batch)
+            path = write.run()
+        except (StorageError, ValueError, pa.ArrowException) as exc:
+            attempts = write.attempts if write is not None else 0
+            log.warning(
+                "segment upload failed worker=%s attempts=%d error=%s", self.worker, attempts, exc
+            )
+            err = UploadFailedError(
+                f"changelog segment upload failed after {attempts} attempt(s) ({exc})",
+                getattr(exc, "location", None),
+                attempts,
+            )
+            err.__cause__ = exc
+            self._tracker.upload_failed(blocks)  # before the futures: see dstl.tracking
+            self.budget.release(sum(r.nbytes for r in batch))
             for r in batch:
                 r.future.set_exception(err)
             return
-        self.segments_written += 1
+        with self._lock:
+            self.segments_written += 1
         url = self.fileio.url(path)
         log.debug("segment uploaded key=%s bytes=%d blocks=%d", path, len(data), len(batch))
-        self._release(batch)
+        deletable = self._tracker.uploaded(path, blocks)
+        self.budget.release(sum(r.nbytes for r in batch))
         for i, r in enumerate(batch):
             r.future.set_result(
                 ChangelogHandle(
                     url, i, r.writer_id, r.sqn_start, r.sqn_end, r.table.num_rows, len(data)
                 )
             )
+        self._delete(deletable)
 
-    def _release(self, batch: list[_Request]) -> None:
-        with self._budget:
-            self._in_flight_bytes -= sum(r.nbytes for r in batch)
-            self._budget.notify_all()
+    def _delete(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            try:
+                self.fileio.delete(path)
+            except StorageError as exc:  # nothing references it: the orphan sweep will
+                log.warning("segment delete failed key=%s error=%s", path, exc)
+                continue
+            with self._lock:
+                self.segments_deleted += 1
+            log.debug("segment deleted key=%s", path)
 
     def close(self) -> None:
-        """Upload what is queued, then stop and join the upload thread."""
+        """Upload what is queued, then stop and join the upload thread and attempt pool.
+
+        Deletes nothing that is not already decided (see :mod:`dstl.tracking`).
+        """
         if self._closed:
             return
         self._closed = True
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join()
+        else:
+            while self.drain_once(block=False):
+                if self._queue.empty():
+                    break
+        self._attempts.shutdown(wait=True)
 
 
 def read_changes(

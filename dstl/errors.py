@@ -12,7 +12,8 @@ It lives in ``dstl`` because ``dstl`` is the bottom of the import graph.
     │   ├── TransientStorageError      worth retrying (timeouts, throttling, 5xx)
     │   ├── StorageNotFoundError       a file or store that should exist does not
     │   ├── StorageConflictError       a write-once object already exists
-    │   └── UnknownOutcomeError        we cannot tell whether a write landed
+    │   ├── UnknownOutcomeError        we cannot tell whether a write landed
+    │   └── UploadFailedError          a segment upload gave up after its retries
     ├── CorruptionError                bytes are there but wrong (checksum, truncation, format)
     ├── SchemaMismatchError            restored state does not match the declared serializers
     ├── CheckpointError                checkpointing failed
@@ -60,6 +61,19 @@ class StorageConflictError(StorageError):
 
 class UnknownOutcomeError(StorageError):
     """A write may or may not have landed; its file must not be deleted eagerly."""
+
+
+class UploadFailedError(StorageError):
+    """A changelog segment could not be written after every allowed attempt.
+
+    ``attempts`` counts them; ``__cause__`` is the last attempt's error. The changes stay
+    in their writers, and the next persist uploads them again. No handle references any
+    file of the failed upload.
+    """
+
+    def __init__(self, message: str, location: str | None = None, attempts: int = 0) -> None:
+        super().__init__(message, location)
+        self.attempts = attempts
 
 
 class CorruptionError(StateBackendError):

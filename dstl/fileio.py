@@ -26,6 +26,7 @@ import fsspec
 
 from dstl.errors import (
     ConfigError,
+    StateBackendError,
     StorageConflictError,
     StorageError,
     StorageNotFoundError,
@@ -44,7 +45,8 @@ class FileInfo:
     mtime: float | None
 
 
-def _translate(exc: BaseException, location: str) -> StorageError:
+def translate_error(exc: BaseException, location: str) -> StorageError:
+    """The :mod:`dstl.errors` equivalent of a storage library's ``exc`` at ``location``."""
     if isinstance(exc, StorageError):
         return exc
     if isinstance(exc, FileNotFoundError):
@@ -66,12 +68,12 @@ def _translate(exc: BaseException, location: str) -> StorageError:
 def _translated(location: str) -> Iterator[None]:
     try:
         yield
-    except StorageError:
+    except StateBackendError:  # ours already (a ConfigError for a bad path stays one)
         raise
     except (OSError, ValueError, RuntimeError) as exc:
-        raise _translate(exc, location) from exc
+        raise translate_error(exc, location) from exc
     except Exception as exc:  # botocore/aiohttp errors do not share a base class
-        raise _translate(exc, location) from exc
+        raise translate_error(exc, location) from exc
 
 
 class FileIO:
@@ -89,6 +91,12 @@ class FileIO:
     def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None) -> None:
         parsed = urlparse(root)
         scheme = parsed.scheme or "file"
+        if "@" in parsed.netloc:
+            # Never echo the URL: its user-info part may hold a secret.
+            raise ConfigError(
+                f"credentials in a {scheme}:// store URL are not allowed; "
+                "pass them in storage_options or the environment"
+            )
         if scheme not in ("file", "s3", "memory"):
             raise ConfigError(f"unsupported storage scheme {scheme!r} in {root!r}")
         if scheme == "file":
@@ -98,6 +106,8 @@ class FileIO:
         else:
             stripped = root.rstrip("/")
             self._root = stripped.split("://", 1)[1]
+            if scheme == "memory":  # fsspec's memory store keys every path with a leading /
+                self._root = "/" + self._root.lstrip("/")
             self._root_url = stripped
         self.scheme = scheme
         self._options = dict(storage_options or {})
@@ -169,13 +179,17 @@ class FileIO:
         tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException:
+            os.unlink(tmp)  # a failed write leaves no temp file behind
+            raise
         try:
             os.link(tmp, target)  # fails with EEXIST instead of replacing
         except OSError as exc:

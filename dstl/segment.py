@@ -1,4 +1,4 @@
-"""The changelog segment file format (version 1).
+"""The changelog segment file format (version 2; version 1 files are still read).
 
 A segment is a Parquet file holding the changes of *many* writers, one row group per
 writer block, so a plain Spark job can read it (``spark.read.parquet``). Columns:
@@ -16,16 +16,24 @@ user_key    binary      serialized user key (map state), nullable
 value       binary      serialized value, nullable
 ==========  ==========  =====================================================
 
-The footer's key-value metadata ``dstl.segment`` holds JSON ``{"version": 1, "blocks":
-[{"writer", "sqn_start", "sqn_end", "rows"}]}`` in row-group order. Pages carry CRC
-checksums (verified on read) and are zstd-compressed. A truncated or corrupt segment
-raises :class:`~dstl.errors.CorruptionError` naming the file.
+Self-describing: the footer's key-value metadata ``dstl.segment`` holds JSON::
+
+    {"format": "dstl-changelog-segment", "version": 2, "checksum": "crc32",
+     "blocks": [{"writer", "sqn_start", "sqn_end", "rows", "offset", "length", "crc32"}]}
+
+with one entry per row group, in order. ``offset``/``length`` are the row group's byte
+range in the file and ``crc32`` (zlib) its checksum: it covers page headers and data, which
+Parquet's own page CRCs (also written, zstd-compressed pages) do not fully cover. A reader
+verifies the checksum of every block it reads. A truncated or corrupt segment raises
+:class:`~dstl.errors.CorruptionError` naming the file. Version 1 (no ``offset``/``crc32``)
+is read without the block checksum.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +42,9 @@ import pyarrow.parquet as pq
 
 from dstl.errors import CorruptionError
 
-SEGMENT_VERSION = 1
+SEGMENT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+FORMAT_NAME = "dstl-changelog-segment"
 METADATA_KEY = b"dstl.segment"
 
 SCHEMA = pa.schema(
@@ -62,38 +72,53 @@ class Block:
 
 
 def encode_segment(blocks: list[Block]) -> bytes:
-    """Serialize ``blocks`` (one row group each) into segment bytes."""
+    """Serialize ``blocks`` (one row group each) into segment bytes, checksummed per block."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
-    meta = {
-        "version": SEGMENT_VERSION,
-        "blocks": [
-            {
-                "writer": b.writer_id,
-                "sqn_start": b.sqn_start,
-                "sqn_end": b.sqn_end,
-                "rows": b.table.num_rows,
-            }
-            for b in blocks
-        ],
-    }
-    schema = SCHEMA.with_metadata({METADATA_KEY: json.dumps(meta).encode()})
+    described: list[dict[str, Any]] = []
     sink = io.BytesIO()
-    with pq.ParquetWriter(
+    writer = pq.ParquetWriter(
         sink,
-        schema,
+        SCHEMA,
         compression="zstd",
         write_page_checksum=True,
         write_statistics=["sqn", "key_group"],
-    ) as writer:
+    )
+    try:
         for block in blocks:
             n = block.table.num_rows
             if n == 0:
                 raise ValueError(f"empty block for writer {block.writer_id!r}")
             writer_col = pa.array([block.writer_id] * n, pa.string())
             table = block.table.add_column(0, "writer", writer_col).cast(SCHEMA)
+            start = sink.tell()
             writer.write_table(table, row_group_size=n)  # exactly one row group per block
+            end = sink.tell()
+            described.append(
+                {
+                    "writer": block.writer_id,
+                    "sqn_start": block.sqn_start,
+                    "sqn_end": block.sqn_end,
+                    "rows": n,
+                    "offset": start,
+                    "length": end - start,
+                    "crc32": zlib.crc32(sink.getbuffer()[start:end]),
+                }
+            )
+        meta = {
+            "format": FORMAT_NAME,
+            "version": SEGMENT_VERSION,
+            "checksum": "crc32",
+            "blocks": described,
+        }
+        writer.add_key_value_metadata({METADATA_KEY.decode(): json.dumps(meta)})
+    finally:
+        writer.close()
     return sink.getvalue()
+
+
+_BLOCK_FIELDS_V1: dict[str, type] = {"writer": str, "sqn_start": int, "sqn_end": int, "rows": int}
+_BLOCK_FIELDS: dict[str, type] = {**_BLOCK_FIELDS_V1, "offset": int, "length": int, "crc32": int}
 
 
 class SegmentReader:
@@ -101,21 +126,70 @@ class SegmentReader:
 
     def __init__(self, data: bytes, location: str) -> None:
         self.location = location
+        self._data = data
         try:
             self._file = pq.ParquetFile(io.BytesIO(data), page_checksum_verification=True)
-            raw = (self._file.schema_arrow.metadata or {}).get(METADATA_KEY)
+            raw = (self._file.metadata.metadata or {}).get(METADATA_KEY)
+            if raw is None:
+                raw = (self._file.schema_arrow.metadata or {}).get(METADATA_KEY)
             if raw is None:
                 raise CorruptionError(
                     "not a changelog segment (no dstl.segment metadata)", location
+                )
+            if not self._file.schema_arrow.equals(SCHEMA, check_metadata=False):
+                raise CorruptionError(
+                    f"segment schema differs from the changelog schema "
+                    f"({self._file.schema_arrow.names})",
+                    location,
                 )
             meta: dict[str, Any] = json.loads(raw)
         except CorruptionError:
             raise
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise CorruptionError(f"unreadable changelog segment ({exc})", location) from exc
-        if meta.get("version") != SEGMENT_VERSION:
-            raise CorruptionError(f"unsupported segment version {meta.get('version')}", location)
-        self.blocks: list[dict[str, Any]] = meta["blocks"]
+        if not isinstance(meta, dict) or meta.get("version") not in READABLE_VERSIONS:
+            version = meta.get("version") if isinstance(meta, dict) else None
+            raise CorruptionError(f"unsupported segment version {version}", location)
+        blocks = meta.get("blocks")
+        if not isinstance(blocks, list) or len(blocks) != self._file.metadata.num_row_groups:
+            raise CorruptionError("segment footer does not match its row groups", location)
+        self.version: int = meta["version"]
+        fields = _BLOCK_FIELDS_V1 if self.version == 1 else _BLOCK_FIELDS
+        for index, desc in enumerate(blocks):
+            if not (
+                isinstance(desc, dict)
+                and all(isinstance(desc.get(name), typ) for name, typ in fields.items())
+            ):
+                raise CorruptionError(f"segment footer entry of block {index} is invalid", location)
+            if desc["rows"] != self._file.metadata.row_group(index).num_rows:
+                raise CorruptionError(
+                    f"block {index} has {self._file.metadata.row_group(index).num_rows} rows, "
+                    f"footer says {desc['rows']}",
+                    location,
+                )
+        self.blocks: list[dict[str, Any]] = blocks
+
+    def verify_block(self, index: int) -> None:
+        """Check block ``index``'s bytes against its footer checksum (version 2+)."""
+        desc = self.blocks[index]
+        if self.version < 2:
+            return
+        try:
+            offset, length, expected = int(desc["offset"]), int(desc["length"]), desc["crc32"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptionError(
+                f"block {index} has no valid checksum entry", self.location
+            ) from exc
+        if offset < 0 or length < 0 or offset + length > len(self._data):
+            raise CorruptionError(
+                f"block {index} lies outside the file (truncated?)", self.location
+            )
+        actual = zlib.crc32(memoryview(self._data)[offset : offset + length])
+        if actual != expected:
+            raise CorruptionError(
+                f"block {index} checksum mismatch (crc32 {actual:08x}, footer {expected:08x})",
+                self.location,
+            )
 
     def read_block(self, index: int, writer_id: str) -> pa.Table:
         """The rows of block ``index``, checked against the footer's description."""
@@ -127,6 +201,7 @@ class SegmentReader:
                 f"block {index} belongs to writer {desc['writer']!r}, not {writer_id!r}",
                 self.location,
             )
+        self.verify_block(index)
         try:
             table = self._file.read_row_group(index)
         except (OSError, ValueError, pa.ArrowException) as exc:

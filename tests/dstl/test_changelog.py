@@ -10,7 +10,7 @@ import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.changelog import ChangelogOptions
-from dstl.errors import CorruptionError, StorageConflictError
+from dstl.errors import ConfigError, CorruptionError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
 
 
@@ -99,3 +99,53 @@ def test_failed_upload_is_retried_by_the_next_persist(fileio: FileIO) -> None:
         handles = w.persist(0, 2).result()
     assert _rows(fileio, handles) == [b"v"]
     assert isinstance(pa.table({"a": [1]}), pa.Table)
+
+
+def test_sixteen_writers_produce_one_segment_per_batch(fileio: FileIO) -> None:
+    with ChangelogStorage(fileio, "job", "w0", start_thread=False) as st:
+        writers = [st.create_writer(f"w{i}") for i in range(16)]
+        for checkpoint in (1, 2):
+            for i, w in enumerate(writers):
+                w.append(i, "s", 1, b"k", None, f"{checkpoint}-{i}".encode())
+            futures = [w.persist(w.next_sqn() - 1, checkpoint) for w in writers]
+            st.drain_once(block=False)  # one upload batch
+            handles = [f.result(timeout=10)[0] for f in futures]
+            assert len({h.location for h in handles}) == 1  # ONE segment, not one per writer
+            assert [h.block for h in handles] == list(range(16))
+            for i, h in enumerate(handles):
+                assert _rows(fileio, (h,)) == [f"{checkpoint}-{i}".encode()]
+        assert st.segments_written == 2
+        assert st.upload_attempts == 2
+    assert len(fileio.list("jobs/job/changelog")) == 2
+
+
+def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:
+    opts = ChangelogOptions(preemptive_persist_bytes=10_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        for i in range(9):
+            w.append(0, "s", 1, b"k", None, bytes([i]) * 1_000)
+        assert st._queue.empty()  # below the threshold: nothing uploaded yet
+        w.append(0, "s", 1, b"k", None, b"\xff" * 1_000)
+        assert not st._queue.empty()  # crossed it: handed to the uploader at once
+        st.drain_once(block=False)
+        assert st.segments_written == 1
+        w.append(0, "s", 1, b"k", None, b"tail")
+        fut = w.persist(0, 1)
+        st.drain_once(block=False)  # the checkpoint only uploads the small tail
+        handles = fut.result(timeout=10)
+        assert st.segments_written == 2
+        assert [h.rows for h in handles] == [10, 1]
+        assert handles[1].size_bytes < handles[0].size_bytes
+        assert _rows(fileio, handles)[-1] == b"tail"
+
+
+def test_options_from_dotted_keys() -> None:
+    opts = ChangelogOptions.from_dict(
+        {"dstl.batch.delay-s": "0.5", "dstl.in-flight.max-bytes": 1024}
+    )
+    assert opts.batch_delay_s == 0.5 and opts.in_flight_max_bytes == 1024
+    with pytest.raises(ConfigError, match="unknown changelog option"):
+        ChangelogOptions.from_dict({"dstl.nope": 1})
+    with pytest.raises(ConfigError, match="cannot parse"):
+        ChangelogOptions.from_dict({"dstl.batch.max-bytes": "lots"})
