@@ -1,10 +1,35 @@
 """The checkpoint coordinator: trigger, pending, acks, completion, subsumption, retention.
 
-It is a thin, synchronous state machine driven by :meth:`CheckpointCoordinator.tick` with
-an injected ``now``; acks and declines arrive from any thread through a queue and are
-applied on the next tick. A checkpoint completes only when every expected task acked and
-its record is committed in the metadata store; then tasks are notified. Files released by
-retention are deleted afterwards on a background thread, tolerating "already gone".
+It is a synchronous state machine driven by :meth:`CheckpointCoordinator.tick` with an
+injected ``now``; acks, declines and savepoint requests arrive from any thread through a
+queue and are applied on the next tick. Life of a checkpoint::
+
+    trigger -> pending --(every expected ack)--> [savepoint: copy files] -> before_commit
+            -> record committed (retention released in the same transaction)
+            -> older pending subsumed -> notify_complete(id, last_subsumed) -> delete released
+    pending --(decline | timeout | newer completed)--> aborted -> notify_abort(id, reason)
+
+Invariants:
+
+- Ids come from the metadata store: strictly increasing, never reused, across restarts.
+- A checkpoint is reported complete only after its record is committed.
+- At most ``max_concurrent`` regular checkpoints are pending; savepoints bypass the limit.
+- A new periodic checkpoint starts no earlier than ``interval_s`` after the previous trigger
+  and ``min_pause_s`` after the previous completion.
+- More than ``tolerable_failures`` consecutive failed regular checkpoints (declined,
+  expired, not recorded) fail the job with :class:`JobFailedError`; subsumption is not a
+  failure, and a completion resets the count.
+
+File release rule (never delete on an unknown outcome): released files of checkpoints
+removed by retention are deleted after the commit, on the deleter thread. Of an aborted
+checkpoint (and of late acks for one) only *checkpoint-private* files are deleted: files of
+handles that declare ``PRIVATE_TO_CHECKPOINT`` (channel state) for that very checkpoint id,
+and only if no retained record references them. Changelog segments, materialized files and
+sink transactions of an aborted checkpoint are *not* deleted: the writers reuse them in
+their next checkpoint (the next persist reuses the segments; a staged sink transaction is
+committed with the next completed checkpoint). Whatever is never referenced again, and
+everything of a checkpoint whose commit outcome is unknown, is the orphan sweep's
+(:mod:`coordinator.gc`).
 """
 
 from __future__ import annotations
@@ -13,17 +38,30 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.errors import CheckpointTriggerRejectedError, SavepointError
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
-from dstl.errors import ConfigError, JobFailedError, StorageError
+from coordinator.savepoint import make_self_contained
+from dstl.errors import (
+    CheckpointDeclinedError,
+    CheckpointError,
+    CheckpointTimeoutError,
+    ConfigError,
+    JobFailedError,
+    MetadataStoreError,
+    StorageError,
+)
 from dstl.fileio import FileIO
 
 log = logging.getLogger(__name__)
 
 TaskId = tuple[str, int]
+CHECKPOINT = "checkpoint"
+SAVEPOINT = "savepoint"
+_REMEMBERED_ABORTS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +81,10 @@ class CheckpointOptions:
         if self.interval_s <= 0 or self.timeout_s <= 0 or self.min_pause_s < 0:
             raise ConfigError("checkpoint interval and timeout must be > 0, min pause >= 0")
         if self.max_concurrent < 1 or self.retain < 1 or self.tolerable_failures < 0:
-            raise ConfigError("checkpoint.max-concurrent and checkpoint.retain must be >= 1")
+            raise ConfigError(
+                "checkpoint.max-concurrent and checkpoint.retain must be >= 1, "
+                "checkpoint.tolerable-failures >= 0"
+            )
 
 
 @dataclass(slots=True)
@@ -69,13 +110,32 @@ class _Decline:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class _SavepointRequest:
+    future: Future[CompletedCheckpoint]
+
+
+def checkpoint_private_files(state: SubtaskState, checkpoint_id: int) -> list[str]:
+    """Files of ``state`` that no other checkpoint can ever reference (see module doc)."""
+    out: list[str] = []
+    for h in state.handles:
+        if getattr(h, "PRIVATE_TO_CHECKPOINT", False) and (
+            getattr(h, "checkpoint_id", None) == checkpoint_id
+        ):
+            out.extend(h.files())
+    return out
+
+
 class CheckpointCoordinator:
     """Coordinates the checkpoints of one job attempt.
 
-    Owned by one coordinator thread (the one calling :meth:`tick` / :meth:`trigger`);
-    :meth:`acknowledge` and :meth:`decline` are thread-safe. ``trigger_tasks(id)`` injects
-    barriers at the sources; ``notify_complete(id)`` / ``notify_abort(id, reason)`` reach
-    every task. Ids come from the metadata store, so they increase across restarts.
+    Owned by one coordinator thread (the one calling :meth:`tick`, :meth:`trigger`,
+    :meth:`trigger_manual`); :meth:`acknowledge`, :meth:`decline` and
+    :meth:`request_savepoint` are thread-safe (they only enqueue). ``trigger_tasks(id)``
+    injects barriers at the sources; ``notify_complete(id, last_subsumed_id)`` and
+    ``notify_abort(id, reason)`` reach every task. ``before_commit(cp)`` runs right before
+    the record is written (a test hook: every file of ``cp`` is durable, nothing recorded).
+    The deleter thread (``coordinator-deleter``) is joined by :meth:`close`.
     """
 
     def __init__(
@@ -84,10 +144,11 @@ class CheckpointCoordinator:
         job_id: str,
         tasks: Sequence[TaskId],
         trigger_tasks: Callable[[int], None],
-        notify_complete: Callable[[int], None],
+        notify_complete: Callable[[int, int | None], None],
         notify_abort: Callable[[int, str], None],
         fileio: FileIO,
         options: CheckpointOptions | None = None,
+        before_commit: Callable[[CompletedCheckpoint], None] | None = None,
     ) -> None:
         self.store = store
         self.job_id = job_id
@@ -96,20 +157,36 @@ class CheckpointCoordinator:
         self._notify_complete = notify_complete
         self._notify_abort = notify_abort
         self._fileio = fileio
+        self._before_commit = before_commit
         self.options = options or CheckpointOptions()
         self.pending: dict[int, PendingCheckpoint] = {}
         self.completed: list[CompletedCheckpoint] = []
         self.latest_completed_id = 0
+        self.last_triggered_id = 0
+        self.aborted: dict[int, str] = {}  # recently aborted id -> reason (late acks)
+        self.consecutive_failures = 0
         self._last_trigger: float | None = None
         self._last_completion: float | None = None
-        self._consecutive_failures = 0
-        self._inbox: queue.Queue[_Ack | _Decline] = queue.Queue()
+        self._previous_files: set[str] | None = None
+        self._savepoints: dict[int, Future[CompletedCheckpoint]] = {}
+        self._inbox: queue.Queue[_Ack | _Decline | _SavepointRequest] = queue.Queue()
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="coordinator-deleter")
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
 
     def close(self) -> None:
-        """Finish outstanding deletions and stop the deleter thread."""
+        """Finish outstanding deletions, join the deleter thread, fail open savepoints."""
         self._deleter.shutdown(wait=True)
+        stopped = CheckpointError(f"job {self.job_id} stopped before the savepoint completed")
+        for fut in self._savepoints.values():
+            fut.set_exception(stopped)
+        self._savepoints.clear()
+        while True:  # requests that never got triggered
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, _SavepointRequest) and msg.future.set_running_or_notify_cancel():
+                msg.future.set_exception(stopped)
 
     # -- thread-safe entry points -----------------------------------------------------
     def acknowledge(self, checkpoint_id: int, state: SubtaskState) -> None:
@@ -120,18 +197,34 @@ class CheckpointCoordinator:
         """A task cannot take ``checkpoint_id``; it will be aborted. Any thread."""
         self._inbox.put(_Decline(checkpoint_id, task, reason))
 
+    def request_savepoint(self) -> Future[CompletedCheckpoint]:
+        """Ask for a savepoint on the next tick. Any thread.
+
+        The future gets the recorded savepoint, or a :class:`CheckpointError` if it was
+        aborted (a savepoint failure does not count towards tolerable failures).
+        """
+        fut: Future[CompletedCheckpoint] = Future()
+        self._inbox.put(_SavepointRequest(fut))
+        return fut
+
     # -- the coordinator thread's steps -------------------------------------------------
     def tick(self, now: float) -> None:
         """Apply acks/declines, expire timed-out checkpoints, trigger if one is due."""
         self.drain(now)
-        for cp in list(self.pending.values()):
-            if now - cp.triggered_at >= self.options.timeout_s:
-                self._abort(cp, "expired before all tasks acknowledged", now)
+        self.expire(now)
         if self._due(now):
             self.trigger(now)
 
+    def expire(self, now: float) -> None:
+        """Abort every pending checkpoint older than the timeout."""
+        for cp in list(self.pending.values()):
+            if now - cp.triggered_at >= self.options.timeout_s:
+                self._abort(
+                    cp, CheckpointTimeoutError("expired before all tasks acknowledged"), now
+                )
+
     def drain(self, now: float) -> None:
-        """Apply every queued ack and decline."""
+        """Apply every queued ack, decline and savepoint request."""
         while True:
             try:
                 msg = self._inbox.get_nowait()
@@ -139,13 +232,22 @@ class CheckpointCoordinator:
                 return
             if isinstance(msg, _Ack):
                 self._on_ack(msg, now)
+            elif isinstance(msg, _SavepointRequest):
+                if msg.future.set_running_or_notify_cancel():
+                    self._savepoints[self.trigger(now, SAVEPOINT)] = msg.future
             else:
                 cp = self.pending.get(msg.checkpoint_id)
                 if cp is not None:
-                    self._abort(cp, f"declined by {msg.task[0]}/{msg.task[1]}: {msg.reason}", now)
+                    who = f"{msg.task[0]}/{msg.task[1]}"
+                    self._abort(
+                        cp, CheckpointDeclinedError(f"declined by {who}: {msg.reason}"), now
+                    )
+
+    def _regular_pending(self) -> int:
+        return sum(1 for p in self.pending.values() if p.kind == CHECKPOINT)
 
     def _due(self, now: float) -> bool:
-        if len(self.pending) >= self.options.max_concurrent:
+        if self._regular_pending() >= self.options.max_concurrent:
             return False
         if (
             self._last_completion is not None
@@ -154,61 +256,136 @@ class CheckpointCoordinator:
             return False
         return self._last_trigger is None or now - self._last_trigger >= self.options.interval_s
 
-    def trigger(self, now: float, kind: str = "checkpoint") -> int:
-        """Start a checkpoint now (pre-checks are the caller's: see :meth:`tick`)."""
+    def trigger(self, now: float, kind: str = CHECKPOINT) -> int:
+        """Start a checkpoint now, without pre-checks (see :meth:`tick`, :meth:`trigger_manual`)."""
+        if kind not in (CHECKPOINT, SAVEPOINT):
+            raise ConfigError(f"unknown checkpoint kind {kind!r}")
         checkpoint_id = self.store.next_checkpoint_id(self.job_id)
         self.pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, now, kind)
-        self._last_trigger = now
-        log.debug("checkpoint triggered id=%d", checkpoint_id)
+        self.last_triggered_id = checkpoint_id
+        if kind == CHECKPOINT:
+            self._last_trigger = now
+        log.debug("checkpoint triggered id=%d kind=%s", checkpoint_id, kind)
         self._trigger_tasks(checkpoint_id)
         return checkpoint_id
 
-    def _on_ack(self, ack: _Ack, now: float) -> None:
-        cp = self.pending.get(ack.checkpoint_id)
-        task = (ack.state.operator, ack.state.subtask)
-        if cp is None or task not in self.tasks:
-            log.info(
-                "late or unknown ack ignored checkpoint=%d task=%s/%d", ack.checkpoint_id, *task
+    def trigger_manual(self, now: float) -> int:
+        """A user-triggered checkpoint: ignores interval and min pause, not max concurrent."""
+        if self._regular_pending() >= self.options.max_concurrent:
+            raise CheckpointTriggerRejectedError(
+                f"{self._regular_pending()} checkpoints pending "
+                f"(checkpoint.max-concurrent={self.options.max_concurrent})"
             )
+        return self.trigger(now)
+
+    def trigger_savepoint(self, now: float) -> int:
+        """Start a savepoint now (coordinator thread); see :meth:`request_savepoint`."""
+        return self.trigger(now, SAVEPOINT)
+
+    def _on_ack(self, ack: _Ack, now: float) -> None:
+        cid = ack.checkpoint_id
+        task = (ack.state.operator, ack.state.subtask)
+        cp = self.pending.get(cid)
+        if task not in self.tasks:
+            log.warning("ack from unknown task ignored checkpoint=%d task=%s/%d", cid, *task)
             return
-        cp.acks[task] = ack.state  # a duplicate ack replaces the first: same checkpoint, same task
+        if cp is None:
+            self._on_late_ack(ack)
+            return
+        if task in cp.acks:
+            # Keep the first: the duplicate's files may be shared with it; not deleted.
+            log.info("duplicate ack ignored checkpoint=%d task=%s/%d", cid, *task)
+            return
+        cp.acks[task] = ack.state
         if len(cp.acks) == len(self.tasks):
             self._complete(cp, now)
+
+    def _on_late_ack(self, ack: _Ack) -> None:
+        cid = ack.checkpoint_id
+        if cid in self.aborted:
+            private = checkpoint_private_files(ack.state, cid)
+            log.info("late ack for aborted checkpoint=%d releases %d files", cid, len(private))
+            if private:
+                self._deleter.submit(self._release_unreferenced, private)
+        else:  # completed, or never triggered here: nothing is known to be garbage
+            log.info("late or unknown ack ignored checkpoint=%d", cid)
 
     def _complete(self, cp: PendingCheckpoint, now: float) -> None:
         del self.pending[cp.checkpoint_id]
         states = tuple(cp.acks[t] for t in sorted(cp.acks))
-        stats = self._stats(states, cp, now)
         completed = CompletedCheckpoint(
-            self.job_id, cp.checkpoint_id, cp.kind, cp.triggered_at, now, states, stats
+            self.job_id, cp.checkpoint_id, cp.kind, cp.triggered_at, now, states, {}
         )
-        released = self.store.add_completed(completed, self.options.retain)
+        try:
+            if cp.kind == SAVEPOINT:
+                completed = make_self_contained(self._fileio, completed)
+        except SavepointError as exc:
+            self._abort(cp, exc, now, known_aborted=True)
+            return
+        stats = self._stats(completed, cp, now)
+        completed = CompletedCheckpoint(
+            completed.job_id,
+            completed.checkpoint_id,
+            completed.kind,
+            completed.triggered_at,
+            completed.completed_at,
+            completed.subtasks,
+            stats,
+        )
+        if self._before_commit is not None:
+            self._before_commit(completed)
+        try:
+            retention = self.store.record_completed(completed, self.options.retain)
+        except MetadataStoreError as exc:
+            # Unknown outcome: the commit may have landed. Delete nothing; late acks of
+            # this id are not "aborted" either.
+            self._abort(cp, exc, now, known_aborted=False)
+            return
         self.completed.append(completed)
-        self.latest_completed_id = cp.checkpoint_id
-        self._last_completion = now
-        self._consecutive_failures = 0
-        for older in [p for p in self.pending.values() if p.checkpoint_id < cp.checkpoint_id]:
+        self.latest_completed_id = max(self.latest_completed_id, cp.checkpoint_id)
+        self._previous_files = set(completed.files())
+        if cp.kind == CHECKPOINT:
+            self._last_completion = now
+            self.consecutive_failures = 0
+        subsumed = [p for p in self.pending.values() if p.checkpoint_id < cp.checkpoint_id]
+        for older in subsumed:
             self._abort(
-                older, f"subsumed by checkpoint {cp.checkpoint_id}", now, count_failure=False
+                older,
+                CheckpointError(f"subsumed by checkpoint {cp.checkpoint_id}"),
+                now,
+                count_failure=False,
             )
+        candidates = [p.checkpoint_id for p in subsumed] + list(retention.removed_ids)
+        last_subsumed = max(candidates) if candidates else None
         log.info(
-            "checkpoint completed id=%d duration_ms=%.1f released=%d",
+            "checkpoint completed id=%d kind=%s duration_ms=%.1f released=%d",
             cp.checkpoint_id,
+            cp.kind,
             (now - cp.triggered_at) * 1e3,
-            len(released),
+            len(retention.released),
         )
-        if released:
-            self._deleter.submit(self._delete, released)
-        self._notify_complete(cp.checkpoint_id)
+        if retention.released:
+            self._deleter.submit(self._delete, retention.released)
+        if cp.kind == SAVEPOINT:  # the originals of private files were copied: garbage now
+            private = [f for s in states for f in checkpoint_private_files(s, cp.checkpoint_id)]
+            if private:
+                self._deleter.submit(self._release_unreferenced, private)
+        self._notify_complete(cp.checkpoint_id, last_subsumed)
+        fut = self._savepoints.pop(cp.checkpoint_id, None)
+        if fut is not None:
+            fut.set_result(completed)
         for listener in self.listeners:
             listener(completed)
 
     def _stats(
-        self, states: tuple[SubtaskState, ...], cp: PendingCheckpoint, now: float
+        self, completed: CompletedCheckpoint, cp: PendingCheckpoint, now: float
     ) -> dict[str, Any]:
-        previous = set(self.completed[-1].files()) if self.completed else set()
+        if self._previous_files is None:
+            latest = self.store.latest(self.job_id)
+            self._previous_files = set(latest.files()) if latest is not None else set()
+        previous = self._previous_files
         sizes: dict[str, int] = {}
-        for s in states:
+        for s in completed.subtasks:
             for h in s.handles:
                 for f, size in _file_sizes(h):
                     sizes[f] = size
@@ -217,26 +394,59 @@ class CheckpointCoordinator:
             "duration_ms": round((now - cp.triggered_at) * 1e3, 3),
             "files_total": len(sizes),
             "files_new": len(new),
+            "files_shared": len(sizes) - len(new),
             "bytes_total": sum(sizes.values()),
             "bytes_new": sum(new.values()),
-            "subtask_stats": {f"{s.operator}/{s.subtask}": s.stats for s in states if s.stats},
+            "bytes_shared": sum(sizes.values()) - sum(new.values()),
+            "subtask_stats": {
+                f"{s.operator}/{s.subtask}": s.stats for s in completed.subtasks if s.stats
+            },
         }
 
     def _abort(
-        self, cp: PendingCheckpoint, reason: str, now: float, count_failure: bool = True
+        self,
+        cp: PendingCheckpoint,
+        error: Exception,
+        now: float,
+        count_failure: bool = True,
+        known_aborted: bool = True,
     ) -> None:
+        reason = str(error)
         self.pending.pop(cp.checkpoint_id, None)
         log.warning("checkpoint aborted id=%d reason=%s", cp.checkpoint_id, reason)
-        # No file of an aborted checkpoint is deleted here: its changelog segments are
-        # shared with later checkpoints; leftovers are the orphan sweep's.
+        if known_aborted:
+            self.aborted[cp.checkpoint_id] = reason
+            while len(self.aborted) > _REMEMBERED_ABORTS:
+                del self.aborted[min(self.aborted)]
+            private = [
+                f for s in cp.acks.values() for f in checkpoint_private_files(s, cp.checkpoint_id)
+            ]
+            if private:
+                self._deleter.submit(self._release_unreferenced, private)
         self._notify_abort(cp.checkpoint_id, reason)
-        if count_failure:
-            self._consecutive_failures += 1
-            if self._consecutive_failures > self.options.tolerable_failures:
+        fut = self._savepoints.pop(cp.checkpoint_id, None)
+        if fut is not None:
+            fut.set_exception(
+                error if isinstance(error, CheckpointError) else CheckpointError(reason)
+            )
+            return  # savepoint failures are not checkpoint failures
+        if count_failure and cp.kind == CHECKPOINT:
+            self.consecutive_failures += 1
+            if self.consecutive_failures > self.options.tolerable_failures:
                 raise JobFailedError(
-                    f"{self._consecutive_failures} consecutive checkpoint failures "
-                    f"(tolerable: {self.options.tolerable_failures}); last: checkpoint {cp.checkpoint_id} {reason}"
-                )
+                    f"{self.consecutive_failures} consecutive checkpoint failures "
+                    f"(checkpoint.tolerable-failures={self.options.tolerable_failures}); "
+                    f"last: checkpoint {cp.checkpoint_id} {reason}"
+                ) from error
+
+    # -- the deleter thread ---------------------------------------------------------------
+    def _release_unreferenced(self, files: list[str]) -> None:
+        try:
+            garbage = self.store.unreferenced(files)
+        except MetadataStoreError as exc:
+            log.warning("release skipped (left to the orphan sweep) error=%s", exc)
+            return
+        self._delete(garbage)
 
     def _delete(self, files: list[str]) -> None:
         for url in files:
@@ -260,7 +470,7 @@ def _file_sizes(handle: Any) -> list[tuple[str, int]]:
 
 
 def run_in_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    """Start a named daemon thread (the runtime joins it)."""
+    """Start a named daemon thread (the caller joins it)."""
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread

@@ -13,6 +13,7 @@ Deleting the bytes is the caller's job, afterwards.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import time
@@ -24,6 +25,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+# Importing these registers every handle type a checkpoint may hold, so that any reader
+# of the store (the CLI, Spark jobs) decodes them without knowing where they come from.
+import backends.handles  # noqa: F401
+import coordinator.channel_state
+import coordinator.sink  # noqa: F401
+from coordinator.errors import SchemaVersionError
 from dstl.errors import (
     CheckpointNotFoundError,
     MetadataNotFoundError,
@@ -32,7 +39,7 @@ from dstl.errors import (
 )
 from dstl.handles import handle_from_json, handle_to_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _md = sa.MetaData()
 
@@ -45,6 +52,7 @@ jobs = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("attempt", sa.Integer, nullable=False),
     sa.Column("last_checkpoint_id", sa.BigInteger, nullable=False),
+    sa.Column("status", sa.String(20), nullable=False, server_default="running"),  # v2
 )
 
 checkpoints = sa.Table(
@@ -79,12 +87,52 @@ file_refs = sa.Table(
 )
 
 
+# Version 1's ``jobs`` table, frozen: migration 1 must create exactly what v1 code created,
+# whatever the current table definitions say.
+_v1_md = sa.MetaData()
+_v1_jobs = sa.Table(
+    "jobs",
+    _v1_md,
+    sa.Column("job_id", sa.String(200), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("last_checkpoint_id", sa.BigInteger, nullable=False),
+)
+
+JOB_STATUSES = ("running", "finished", "failed")
+ix_checkpoints_kind = sa.Index(
+    "ix_checkpoints_kind", checkpoints.c.job_id, checkpoints.c.kind, checkpoints.c.checkpoint_id
+)
+
+
 def _migrate_to_1(conn: Connection) -> None:
-    for table in (jobs, checkpoints, subtask_states, file_refs):
+    _v1_jobs.create(conn, checkfirst=True)
+    for table in (checkpoints, subtask_states, file_refs):
         table.create(conn, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_to_1}
+def _migrate_to_2(conn: Connection) -> None:
+    """v2: ``jobs.status`` (running/finished/failed) and an index for retention by kind."""
+    conn.execute(
+        sa.text("ALTER TABLE jobs ADD COLUMN status VARCHAR(20) NOT NULL DEFAULT 'running'")
+    )
+    ix_checkpoints_kind.create(conn, checkfirst=True)
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_to_1, 2: _migrate_to_2}
+
+
+def create_schema(conn: Connection, version: int) -> None:
+    """Run the migrations from an empty database up to ``version`` and record it.
+
+    :class:`MetadataStore` calls this with :data:`SCHEMA_VERSION`; tests call it with an
+    older version to build a database exactly as older code did.
+    """
+    schema_version.create(conn, checkfirst=True)
+    for v in range(1, version + 1):
+        MIGRATIONS[v](conn)
+    conn.execute(sa.delete(schema_version))
+    conn.execute(sa.insert(schema_version).values(version=version))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +209,14 @@ class CompletedCheckpoint:
         return list(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What recording a checkpoint removed: checkpoint ids and now unreferenced files."""
+
+    removed_ids: tuple[int, ...]
+    released: list[str]
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -232,20 +288,21 @@ class MetadataStore:
                 row = conn.execute(sa.select(schema_version.c.version)).first()
                 current = int(row[0]) if row else 0
             if current > SCHEMA_VERSION:
-                raise MetadataStoreError(
+                raise SchemaVersionError(
                     f"metadata schema version {current} is newer than this code ({SCHEMA_VERSION})"
                 )
             if current == SCHEMA_VERSION:
                 return
-            if not create:
-                raise MetadataStoreError(
-                    f"{self._safe_url()} is not a metadata store (schema version {current})"
-                )
-            schema_version.create(conn, checkfirst=True)
+            if current == 0:
+                if not create:
+                    raise MetadataStoreError(f"{self._safe_url()} is not a metadata store")
+                create_schema(conn, SCHEMA_VERSION)
+                return
+            # In place, in this one transaction (PostgreSQL and SQLite both have
+            # transactional DDL): a failed step leaves the old version intact.
             for version in range(current + 1, SCHEMA_VERSION + 1):
                 MIGRATIONS[version](conn)
-            conn.execute(sa.delete(schema_version))
-            conn.execute(sa.insert(schema_version).values(version=SCHEMA_VERSION))
+            conn.execute(sa.update(schema_version).values(version=SCHEMA_VERSION))
 
     # -- jobs and checkpoint ids ------------------------------------------------------
     def start_attempt(self, job_id: str) -> int:
@@ -260,8 +317,30 @@ class MetadataStore:
                 )
                 return 0
             attempt = int(row[0]) + 1
-            conn.execute(sa.update(jobs).where(jobs.c.job_id == job_id).values(attempt=attempt))
+            conn.execute(
+                sa.update(jobs)
+                .where(jobs.c.job_id == job_id)
+                .values(attempt=attempt, status="running")
+            )
             return attempt
+
+    def set_job_status(self, job_id: str, status: str) -> None:
+        """Record how the job's latest attempt ended (``running``/``finished``/``failed``)."""
+        if status not in JOB_STATUSES:
+            raise MetadataStoreError(f"unknown job status {status!r}: use one of {JOB_STATUSES}")
+        with self._tx() as conn:
+            conn.execute(sa.update(jobs).where(jobs.c.job_id == job_id).values(status=status))
+
+    def job_status(self, job_id: str) -> str | None:
+        """The job's status, or None for an unknown job."""
+        with self._tx() as conn:
+            row = conn.execute(sa.select(jobs.c.status).where(jobs.c.job_id == job_id)).first()
+            return None if row is None else str(row[0])
+
+    def job_ids(self) -> builtins.list[str]:
+        """Every job the store knows, sorted."""
+        with self._tx() as conn:
+            return [r[0] for r in conn.execute(sa.select(jobs.c.job_id).order_by(jobs.c.job_id))]
 
     def next_checkpoint_id(self, job_id: str) -> int:
         """Reserve the next checkpoint id: strictly increasing, never reused, across restarts."""
@@ -278,11 +357,18 @@ class MetadataStore:
 
     # -- completed checkpoints --------------------------------------------------------
     def add_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> list[str]:
+        """Record ``checkpoint`` and apply retention; returns the released files.
+
+        See :meth:`record_completed`; the caller deletes the returned files afterwards.
+        """
+        return self.record_completed(checkpoint, retain).released
+
+    def record_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> Retention:
         """Record ``checkpoint`` and apply retention, in one transaction.
 
         Keeps the newest ``retain`` regular checkpoints of the job (savepoints are never
-        removed here). Returns the files no longer referenced by any checkpoint: the
-        caller deletes them after this returns.
+        removed here). Returns the removed checkpoint ids and the files no longer
+        referenced by any checkpoint of any job: the caller deletes them after this returns.
         """
         if retain < 1:
             raise MetadataStoreError("retain must be >= 1")
@@ -331,7 +417,7 @@ class MetadataStore:
                     .offset(retain)
                 )
             ]
-            return self._remove(conn, cp.job_id, expired)
+            return Retention(tuple(sorted(expired)), self._remove(conn, cp.job_id, expired))
 
     def _remove(self, conn: Connection, job_id: str, ids: Sequence[int]) -> list[str]:
         if not ids:
@@ -433,6 +519,21 @@ class MetadataStore:
                 )
                 for r in conn.execute(query)
             ]
+
+    def unreferenced(self, files: Sequence[str]) -> builtins.list[str]:
+        """Those of ``files`` that no retained checkpoint or savepoint references."""
+        if not files:
+            return []
+        with self._tx() as conn:
+            still = {
+                r[0]
+                for r in conn.execute(
+                    sa.select(file_refs.c.location)
+                    .where(file_refs.c.location.in_(sorted(set(files))))
+                    .distinct()
+                )
+            }
+        return sorted(set(files) - still)
 
     def referenced_files(self) -> set[str]:
         """Every file any retained checkpoint references (for the orphan sweep)."""

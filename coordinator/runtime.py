@@ -3,12 +3,15 @@
 One worker process hosts every task as a named thread; the checkpoint coordinator runs on
 the thread that calls :meth:`EmbeddedRuntime.run`. Records travel in batches through
 bounded inboxes (backpressure); checkpoint barriers are injected at the sources and
-aligned at every multi-input task (exactly once). A finite input ends with a final
-checkpoint, so that the sink commits everything, then every task stops.
+handled at every multi-input task in the configured :class:`BarrierMode` (aligned and
+unaligned: exactly once; at-least-once: duplicates after a restore). A finite input ends
+with a final checkpoint, so that the sink commits everything, then every task stops.
 
-Restore: the latest completed checkpoint of the job gives the sources' offsets, the
-operator's keyed state (at any parallelism) and the sink's staged transactions, which are
-committed again (idempotently) before anything runs.
+Restore: the latest completed checkpoint of the job (or a given checkpoint or savepoint)
+gives the sources' offsets, the operator's keyed state (at any parallelism), the sink's
+staged transactions, which are committed again (idempotently) before anything runs, and,
+after an unaligned checkpoint, the in-flight records (channel state), which each task
+replays before any new input.
 """
 
 from __future__ import annotations
@@ -36,12 +39,30 @@ from backends.keygroups import (
 from backends.restore import restore_changelog_backend
 from backends.serializers import Serializer
 from backends.state import StateDescriptor
-from coordinator.channels import CONTROL, Barrier, CancelledBarrier, InputGate
+from coordinator.channel_state import (
+    ChannelStateHandle,
+    read_channel_state,
+    write_channel_state,
+)
+from coordinator.channels import (
+    CONTROL,
+    Barrier,
+    BarrierMode,
+    CancelledBarrier,
+    InFlightData,
+    InputGate,
+)
 from coordinator.checkpoint import CheckpointCoordinator, CheckpointOptions
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
 from coordinator.sink import SinkTransactionHandle, TransactionalFileSink, commit
 from dstl.changelog import ChangelogOptions, ChangelogStorage
-from dstl.errors import ConfigError, JobFailedError, StateBackendError
+from dstl.errors import (
+    CheckpointError,
+    ConfigError,
+    JobFailedError,
+    MetadataStoreError,
+    StateBackendError,
+)
 from dstl.fileio import FileIO
 from materializer.materializer import Materializer
 
@@ -120,10 +141,16 @@ class RuntimeOptions:
     materialization_interval_s: float = 5.0
     source_batch: int = 256
     worker: str = "w0"
+    barrier_mode: BarrierMode = BarrierMode.ALIGNED  # dotted key: checkpoint.barrier-mode
 
     def __post_init__(self) -> None:
         if self.materialization_interval_s <= 0 or self.source_batch < 1:
             raise ConfigError("materialization interval and source batch must be positive")
+        try:
+            BarrierMode(self.barrier_mode)
+        except ValueError as exc:
+            modes = ", ".join(m.value for m in BarrierMode)
+            raise ConfigError(f"checkpoint.barrier-mode must be one of {modes}") from exc
 
     def metadata_store(self, create: bool = True) -> MetadataStore:
         """The metadata store: ``metadata_url``, else SQLite inside a local store."""
@@ -173,7 +200,9 @@ class EmbeddedRuntime:
 
     Owned by the thread calling :meth:`run` (the coordinator thread); task threads talk to
     it through the coordinator's inbox and ``_failures``. ``on_checkpoint`` listeners run
-    on the coordinator thread after a checkpoint's record is committed.
+    on the coordinator thread after a checkpoint's record is committed; ``before_commit``
+    runs on it right before a record is written (a fault-injection hook).
+    ``_lock`` guards ``_sources_finished`` and ``_coordinator``.
     """
 
     def __init__(
@@ -182,15 +211,28 @@ class EmbeddedRuntime:
         options: RuntimeOptions,
         clock: Callable[[], float] = time.monotonic,
         on_checkpoint: Callable[[CompletedCheckpoint], None] | None = None,
+        before_commit: Callable[[CompletedCheckpoint], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.options = options
         self._clock = clock
         self._on_checkpoint = on_checkpoint
+        self._before_commit = before_commit
         self._failures: queue.Queue[BaseException] = queue.Queue()
         self._sources_finished = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self._coordinator: CheckpointCoordinator | None = None
+
+    def request_savepoint(self) -> Future[CompletedCheckpoint]:
+        """Ask the running job for a savepoint (any thread); the future gets its record."""
+        with self._lock:
+            coordinator = self._coordinator
+        if coordinator is None:
+            raise CheckpointError(f"job {self.pipeline.job_id} is not running")
+        fut = coordinator.request_savepoint()
+        self._wakeup.set()
+        return fut
 
     def _fail(self, exc: BaseException) -> None:
         log.error("task failed: %s", exc, exc_info=exc)
@@ -202,20 +244,46 @@ class EmbeddedRuntime:
             self._sources_finished += 1
         self._wakeup.set()
 
-    def run(self, restore: bool = True) -> RunResult:
+    def run(self, restore: bool = True, restore_from: int | None = None) -> RunResult:
         """Run to the end of the input (with a final checkpoint) and return what happened.
 
-        Raises :class:`JobFailedError` if a task fails or too many checkpoints fail.
+        Restores from checkpoint or savepoint ``restore_from`` of this job if given, else
+        from the latest one if ``restore``. Raises :class:`JobFailedError` if a task fails
+        or too many checkpoints fail (the job's status is then ``failed``).
         """
+        store = self.options.metadata_store()
+        try:
+            result = self._run(store, restore, restore_from)
+        except BaseException:
+            self._set_status(store, "failed")
+            raise
+        self._set_status(store, "finished")
+        return result
+
+    def _set_status(self, store: MetadataStore, status: str) -> None:
+        """Record the job's end; a store failure here must not hide the run's outcome."""
+        try:
+            store.set_job_status(self.pipeline.job_id, status)
+        except MetadataStoreError as exc:
+            log.warning("job status not recorded status=%s error=%s", status, exc)
+        finally:
+            store.close()
+
+    def _run(self, store: MetadataStore, restore: bool, restore_from: int | None) -> RunResult:
         p, o = self.pipeline, self.options
         fileio = FileIO(o.store_url, o.storage_options)
         output_io = FileIO(p.sink.output_url, o.storage_options)
-        store = o.metadata_store()
         attempt = store.start_attempt(p.job_id)
-        latest = store.latest(p.job_id) if restore else None
+        if restore_from is not None:
+            latest: CompletedCheckpoint | None = store.get(p.job_id, restore_from)
+        else:
+            latest = store.latest(p.job_id) if restore else None
         storage = ChangelogStorage(fileio, p.job_id, f"{o.worker}-a{attempt:04d}", o.changelog)
-        src_gates = [InputGate(p.source.parallelism) for _ in range(p.operator.parallelism)]
-        sink_gate = InputGate(p.operator.parallelism)
+        mode = BarrierMode(o.barrier_mode)
+        src_gates = [
+            InputGate(p.source.parallelism, mode=mode) for _ in range(p.operator.parallelism)
+        ]
+        sink_gate = InputGate(p.operator.parallelism, mode=mode)
         sources = [_SourceTask(self, i, src_gates, latest) for i in range(p.source.parallelism)]
         started = self._clock()
         operators = [
@@ -242,11 +310,14 @@ class EmbeddedRuntime:
             p.job_id,
             tasks,
             trigger,
-            lambda cid: notify(cid, True),
+            lambda cid, _last_subsumed: notify(cid, True),
             lambda cid, _reason: notify(cid, False),
             fileio,
             o.checkpoint,
+            before_commit=self._before_commit,
         )
+        with self._lock:
+            self._coordinator = coordinator
         if self._on_checkpoint is not None:
             coordinator.listeners.append(self._on_checkpoint)
         for s in sources:
@@ -255,9 +326,11 @@ class EmbeddedRuntime:
             op.coordinator = coordinator
         sink.coordinator = coordinator
         runnables: list[_SourceTask | _OperatorTask | _SinkTask] = [*sources, *operators, sink]
-        threads = [threading.Thread(target=t.run, name=t.name, daemon=True) for t in runnables]
-        for t in threads:
-            t.start()
+        threads = {
+            t.name: threading.Thread(target=t.run, name=t.name, daemon=True) for t in runnables
+        }
+        for thread in threads.values():
+            thread.start()
         final_id: int | None = None
         try:
             while True:
@@ -278,22 +351,32 @@ class EmbeddedRuntime:
                         if now - cp.triggered_at >= o.checkpoint.timeout_s:
                             raise JobFailedError(f"final checkpoint {cp.checkpoint_id} timed out")
                     if final_id not in coordinator.pending:
-                        if coordinator.latest_completed_id >= final_id:
+                        if coordinator.latest_completed_id >= final_id and not _carries_in_flight(
+                            coordinator.completed[-1]
+                        ):
                             break
-                        final_id = None  # aborted: take another final checkpoint
+                        # aborted, or (unaligned) records were in flight: they are in no
+                        # committed transaction yet, so take another final checkpoint
+                        final_id = None
                 self._wakeup.wait(0.005)
                 self._wakeup.clear()
         finally:
+            with self._lock:
+                self._coordinator = None
             for s in sources:
                 s.control.put(_Stop())
             for op in operators:
-                op.gate.put_control(_Stop())
-            sink.gate.put_control(_Stop())
-            for t in threads:
-                t.join(timeout=30)
+                _post_stop(op.gate, threads[op.name])
+            _post_stop(sink.gate, threads[sink.name])
+            # Downstream first: once a task is gone its gate drops input, so an upstream
+            # task blocked on a full gate gets to its own stop message.
+            ordered: list[_SourceTask | _OperatorTask | _SinkTask] = [sink, *operators, *sources]
+            for task in ordered:
+                threads[task.name].join(timeout=30)
+                if isinstance(task, _OperatorTask | _SinkTask):
+                    task.gate.close()
             storage.close()
             coordinator.close()
-            store.close()
         return RunResult(
             attempt,
             latest.checkpoint_id if latest else None,
@@ -302,6 +385,16 @@ class EmbeddedRuntime:
             sum(op.backend.inner.entry_count() for op in operators),
             sum(op.materializations for op in operators),
         )
+
+
+def _post_stop(gate: InputGate, thread: threading.Thread) -> None:
+    """Deliver a stop message unless the receiving thread is already gone."""
+    while thread.is_alive():
+        try:
+            gate.inbox.put((CONTROL, _Stop()), timeout=0.05)
+            return
+        except queue.Full:
+            continue
 
 
 class _SourceTask:
@@ -389,7 +482,11 @@ class _SourceTask:
 
 
 class _OperatorTask:
-    """One keyed operator subtask: its backend, materializer and user function."""
+    """One keyed operator subtask: its backend, materializer and user function.
+
+    Task thread only, except ``_uploader`` (materialization uploads) and the backend's
+    checkpoint future callbacks, which only talk to the coordinator's thread-safe inbox.
+    """
 
     def __init__(
         self,
@@ -421,6 +518,9 @@ class _OperatorTask:
                 if isinstance(h, KeyedStateHandle)
             ]
             restore_changelog_backend(self.backend, fileio, handles)
+        self._fileio = fileio
+        self._replay = _in_flight_of(fileio, latest, spec.name)
+        self._unaligned: dict[int, tuple[Future[KeyedStateHandle], float]] = {}
         self.materializer = Materializer(
             self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt._clock
         )
@@ -441,7 +541,23 @@ class _OperatorTask:
         finally:
             self._uploader.shutdown(wait=True)
 
+    def _replay_in_flight(self) -> None:
+        """Process the restored in-flight records of this subtask's key groups first."""
+        spec = self.rt.pipeline.operator
+        mine = KeyGroupRange.for_subtask(self.subtask, spec.parallelism, spec.max_parallelism)
+        serialize = spec.key_serializer.serialize
+        out: list[Any] = []
+        for batch in self._replay:
+            for key, value in batch:
+                if key_group_for(serialize(key), spec.max_parallelism) in mine:
+                    self.backend.set_current_key(key)
+                    self.function.process(key, value, out.append)
+        if out:
+            self.sink_gate.put(self.subtask, out)
+        self._replay = []
+
     def _run(self) -> None:
+        self._replay_in_flight()
         backend, function = self.backend, self.function
         out: list[Any] = []
         emit = out.append
@@ -466,7 +582,10 @@ class _OperatorTask:
                 return
             if isinstance(element, Barrier):
                 self._checkpoint(element.checkpoint_id)
+            elif isinstance(element, InFlightData):
+                self._in_flight_done(element)
             elif isinstance(element, CancelledBarrier):
+                self._unaligned.pop(element.checkpoint_id, None)
                 assert self.coordinator is not None
                 self.coordinator.decline(
                     element.checkpoint_id,
@@ -482,21 +601,55 @@ class _OperatorTask:
                     log.warning("materialization failed task=%s error=%s", self.name, element.error)
 
     def _checkpoint(self, checkpoint_id: int) -> None:
-        assert self.coordinator is not None
-        coordinator = self.coordinator
-        name = self.rt.pipeline.operator.name
         started = time.monotonic()
         future = self.backend.checkpoint(checkpoint_id)
         self.sink_gate.put(self.subtask, Barrier(checkpoint_id))
+        if self.gate.mode is BarrierMode.UNALIGNED:
+            self._unaligned[checkpoint_id] = (future, started)  # acked with its in-flight data
+        else:
+            self._ack_when_done(checkpoint_id, future, started, ())
+
+    def _in_flight_done(self, data: InFlightData) -> None:
+        entry = self._unaligned.pop(data.checkpoint_id, None)
+        if entry is None:
+            return
+        extra: tuple[ChannelStateHandle, ...] = ()
+        if data.batches:
+            name = self.rt.pipeline.operator.name
+            extra = (
+                write_channel_state(
+                    self._fileio,
+                    self.rt.pipeline.job_id,
+                    name,
+                    self.subtask,
+                    data.checkpoint_id,
+                    [batch for _, batch in data.batches],
+                ),
+            )
+        self._ack_when_done(data.checkpoint_id, entry[0], entry[1], extra)
+
+    def _ack_when_done(
+        self,
+        checkpoint_id: int,
+        future: Future[KeyedStateHandle],
+        started: float,
+        extra: tuple[ChannelStateHandle, ...],
+    ) -> None:
+        assert self.coordinator is not None
+        coordinator = self.coordinator
+        name = self.rt.pipeline.operator.name
 
         def done(f: Future[KeyedStateHandle]) -> None:
             exc = f.exception()
             if exc is not None:
                 coordinator.decline(checkpoint_id, (name, self.subtask), str(exc))
                 return
-            stats = {"async_ms": round((time.monotonic() - started) * 1e3, 3)}
+            stats: dict[str, Any] = {"async_ms": round((time.monotonic() - started) * 1e3, 3)}
+            if extra:
+                stats["in_flight_records"] = sum(h.records for h in extra)
             coordinator.acknowledge(
-                checkpoint_id, SubtaskState(name, self.subtask, (f.result(),), stats=stats)
+                checkpoint_id,
+                SubtaskState(name, self.subtask, (f.result(), *extra), stats=stats),
             )
 
         future.add_done_callback(done)
@@ -542,6 +695,9 @@ class _SinkTask:
                     if isinstance(h, SinkTransactionHandle):
                         commit(fileio, output_io, h)
         self.sink = TransactionalFileSink(fileio, output_io, rt.pipeline.job_id, spec.name, 0)
+        self._fileio = fileio
+        self._replay = _in_flight_of(fileio, latest, spec.name)
+        self._unaligned: dict[int, tuple[SinkTransactionHandle, ...]] = {}
 
     def run(self) -> None:
         try:
@@ -551,6 +707,9 @@ class _SinkTask:
 
     def _run(self) -> None:
         name = self.rt.pipeline.sink.name
+        for batch in self._replay:  # restored in-flight records before any new input
+            self.sink.write(batch)
+        self._replay = []
         while True:
             item = self.gate.next(timeout=0.1)
             if item is None:
@@ -564,8 +723,50 @@ class _SinkTask:
             assert self.coordinator is not None
             if isinstance(element, Barrier):
                 staged = self.sink.pre_commit(element.checkpoint_id)
-                self.coordinator.acknowledge(element.checkpoint_id, SubtaskState(name, 0, staged))
+                if self.gate.mode is BarrierMode.UNALIGNED:
+                    self._unaligned[element.checkpoint_id] = staged
+                else:
+                    self.coordinator.acknowledge(
+                        element.checkpoint_id, SubtaskState(name, 0, staged)
+                    )
+            elif isinstance(element, InFlightData):
+                staged = self._unaligned.pop(element.checkpoint_id, ())
+                handles: tuple[Any, ...] = staged
+                if element.batches:
+                    handles += (
+                        write_channel_state(
+                            self._fileio,
+                            self.rt.pipeline.job_id,
+                            name,
+                            0,
+                            element.checkpoint_id,
+                            [batch for _, batch in element.batches],
+                        ),
+                    )
+                self.coordinator.acknowledge(element.checkpoint_id, SubtaskState(name, 0, handles))
             elif isinstance(element, CancelledBarrier):
+                self._unaligned.pop(element.checkpoint_id, None)
                 self.coordinator.decline(element.checkpoint_id, (name, 0), "alignment cancelled")
             elif isinstance(element, _Notify) and element.completed:
                 self.sink.commit_up_to(element.checkpoint_id)
+
+
+def _carries_in_flight(checkpoint: CompletedCheckpoint) -> bool:
+    """Whether an (unaligned) checkpoint persisted in-flight records anywhere."""
+    return any(isinstance(h, ChannelStateHandle) for s in checkpoint.subtasks for h in s.handles)
+
+
+def _in_flight_of(
+    fileio: FileIO, checkpoint: CompletedCheckpoint | None, operator: str
+) -> list[Any]:
+    """The in-flight batches an unaligned ``checkpoint`` persisted for ``operator``
+    (every subtask's: a rescaled operator filters them by key group)."""
+    if checkpoint is None:
+        return []
+    return [
+        batch
+        for s in checkpoint.states_of(operator)
+        for h in s.handles
+        if isinstance(h, ChannelStateHandle)
+        for batch in read_channel_state(fileio, h)
+    ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import backends.handles  # noqa: F401 - registers the handle types stored in checkpoints
 import coordinator.sink  # noqa: F401 - registers the sink transaction handle
+from coordinator import gc as gc_mod
 from coordinator.metadata import MetadataStore
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -37,6 +38,8 @@ EXAMPLES = """examples:
   statectl checkpoints show 7 --store demo-data --json
   statectl restore --store demo-data --checkpoint 7 -o restored/
   statectl restore --store s3://bucket/state --metadata postgresql+psycopg://host/db --checkpoint 7 -o out --dry-run
+  statectl gc --store demo-data                       (dry run: list orphans older than a day)
+  statectl gc --store demo-data --job demo --min-age-s 3600 --delete
 """
 
 
@@ -156,6 +159,33 @@ def _plan_text(plan: restore_mod.RestorePlan) -> str:
     return "\n".join(lines)
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    fileio, store = _open(args)
+    if args.min_age_s < 0:
+        raise ConfigError(f"--min-age-s must be >= 0, got {args.min_age_s}")
+    jobs = [args.job] if args.job else store.job_ids()
+    reports = []
+    for job in jobs:
+        plan = gc_mod.plan_sweep(fileio, store, job, args.min_age_s)
+        deleted = gc_mod.sweep(fileio, store, plan) if args.delete else []
+        reports.append({**plan.describe(), "deleted": deleted})
+        if not args.json:
+            verb = "deleted" if args.delete else "would delete"
+            paths = deleted if args.delete else [f.path for f in plan.orphans]
+            for path in paths:
+                print(f"{verb} {path}")
+            print(
+                f"job {job}: {plan.scanned} files, {plan.referenced} referenced, "
+                f"{len(plan.too_young)} younger than {args.min_age_s:g}s, "
+                f"{verb} {len(paths)} orphans ({plan.orphan_bytes} bytes)"
+            )
+    if args.json:
+        print(json.dumps({"dry_run": not args.delete, "jobs": reports}, indent=2))
+    elif not args.delete:
+        print("dry run: nothing deleted (use --delete)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -214,6 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the plan and check files; write nothing"
     )
     rst.set_defaults(func=_cmd_restore)
+    gc = sub.add_parser(
+        "gc",
+        parents=[common],
+        help="find (and with --delete remove) unreferenced files under a job's prefix",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gc.add_argument("--delete", action="store_true", help="delete the orphans (default: dry run)")
+    gc.add_argument(
+        "--min-age-s",
+        type=float,
+        default=gc_mod.DEFAULT_MIN_AGE_S,
+        help="only files older than this are orphans (default: %(default)g, one day)",
+    )
+    gc.set_defaults(func=_cmd_gc)
     return parser
 
 

@@ -74,3 +74,104 @@ def test_opening_a_missing_sqlite_store_does_not_create_it(tmp_path: Any) -> Non
     with pytest.raises(MetadataNotFoundError):
         MetadataStore(f"sqlite:///{tmp_path}/nope.db", create=False)
     assert not (tmp_path / "nope.db").exists()
+
+
+def test_a_v1_database_migrates_in_place(metadata_url: str) -> None:
+    import sqlalchemy as sa
+
+    from coordinator.metadata import SCHEMA_VERSION, create_schema
+
+    engine = sa.create_engine(metadata_url)
+    with engine.begin() as conn:  # exactly what the v1 code created, with v1 data in it
+        create_schema(conn, 1)
+        assert "status" not in {c["name"] for c in sa.inspect(conn).get_columns("jobs")}
+    engine.dispose()
+    engine = sa.create_engine(metadata_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO jobs (job_id, created_at, attempt, last_checkpoint_id) "
+                "VALUES ('old', 1.0, 2, 7)"
+            )
+        )
+    engine.dispose()
+    store = MetadataStore(metadata_url, create=False)  # the CLI's way of opening migrates too
+    assert store.job_status("old") == "running"  # the v2 column, defaulted for old rows
+    assert store.start_attempt("old") == 3
+    assert store.next_checkpoint_id("old") == 8  # ids continue across the migration
+    store.add_completed(_cp("old", 8, ["f"]), retain=1)
+    store.set_job_status("old", "finished")
+    assert store.job_status("old") == "finished"
+    store.close()
+    engine = sa.create_engine(metadata_url)
+    with engine.begin() as conn:
+        assert (
+            conn.execute(sa.text("SELECT version FROM schema_version")).scalar() == SCHEMA_VERSION
+        )
+        indexes = {i["name"] for i in sa.inspect(conn).get_indexes("checkpoints")}
+        assert "ix_checkpoints_kind" in indexes
+    engine.dispose()
+
+
+def test_a_newer_schema_is_refused(metadata_url: str) -> None:
+    import sqlalchemy as sa
+
+    from coordinator.errors import SchemaVersionError
+
+    MetadataStore(metadata_url).close()
+    engine = sa.create_engine(metadata_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE schema_version SET version = 99"))
+    engine.dispose()
+    with pytest.raises(SchemaVersionError, match="version 99 is newer than this code"):
+        MetadataStore(metadata_url)
+
+
+def test_job_status_and_unreferenced(store: MetadataStore) -> None:
+    from dstl.errors import MetadataStoreError
+
+    store.start_attempt("j")
+    assert store.job_status("j") == "running" and store.job_status("nope") is None
+    with pytest.raises(MetadataStoreError, match="unknown job status"):
+        store.set_job_status("j", "sleeping")
+    store.add_completed(_cp("j", 1, ["a", "b"]), retain=1)
+    assert store.unreferenced(["a", "c", "b", "d"]) == ["c", "d"]
+    assert store.job_ids() == ["j"]
+    retention = store.record_completed(_cp("j", 2, ["b"]), retain=1)
+    assert retention.removed_ids == (1,) and retention.released == ["a"]
+
+
+def test_a_fresh_reader_decodes_every_coordinator_handle(tmp_path: Any) -> None:
+    # Regression: readers that import only the metadata store (statectl, Spark jobs) could
+    # not decode channel-state handles: their type was registered by the runtime only.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from coordinator.channel_state import ChannelStateHandle
+    from coordinator.sink import SinkTransactionHandle
+
+    url = f"sqlite:///{tmp_path}/m.db"
+    store = MetadataStore(url)
+    store.start_attempt("j")
+    handles = (
+        ChannelStateHandle("file:///s/c.bin", 1, "op", 0, 3, 10),
+        SinkTransactionHandle("file:///s/t.jsonl", 1, 0, 3, 10),
+    )
+    store.add_completed(
+        CompletedCheckpoint("j", 1, "checkpoint", 1.0, 2.0, (SubtaskState("op", 0, handles),)), 1
+    )
+    store.close()
+    code = (
+        "import sys; from coordinator.metadata import MetadataStore; "
+        "print(len(MetadataStore(sys.argv[1]).get('j', 1).files()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, url],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "2"

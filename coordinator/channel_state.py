@@ -1,0 +1,101 @@
+"""In-flight records of an unaligned checkpoint (FLIP-76 channel state) and their handle.
+
+With unaligned barriers a task snapshots its state as soon as the *first* barrier of a
+checkpoint arrives; the records that arrive afterwards on channels whose barrier is still
+ahead are "in flight": logically before the barrier, physically after the snapshot. They
+are written here, once per checkpoint and subtask, and replayed before any new input on
+restore. Unlike changelog segments, materialized files and sink transactions, a channel
+state file belongs to exactly one checkpoint and is never reused by a later one: it is the
+only kind of file the coordinator deletes for an aborted checkpoint (see
+:func:`coordinator.checkpoint.checkpoint_private_files`).
+
+File format: ``CSTATE1\\n`` + crc32 (4 bytes, big endian) + a pickle of the record
+batches. The store is as trusted as the state itself.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dstl import layout
+from dstl.errors import CorruptionError
+from dstl.fileio import FileIO
+from dstl.handles import register_handle
+
+_MAGIC = b"CSTATE1\n"
+
+
+@register_handle("channel-state")
+@dataclass(frozen=True, slots=True)
+class ChannelStateHandle:
+    """The in-flight input records of one subtask for one unaligned checkpoint."""
+
+    location: str
+    checkpoint_id: int
+    operator: str
+    subtask: int
+    records: int
+    size_bytes: int
+
+    TYPE_TAG: ClassVar[str]
+    #: A file of this handle is never referenced by any other checkpoint.
+    PRIVATE_TO_CHECKPOINT: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not self.location or self.checkpoint_id < 1 or self.records < 0:
+            raise ValueError(f"invalid channel state handle {self!r}")
+
+    def files(self) -> list[str]:
+        """The one file."""
+        return [self.location]
+
+
+def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:
+    """Where a subtask's channel state for one checkpoint lives (below the job prefix)."""
+    return (
+        f"{layout.job_prefix(job)}/channel-state/{layout.check_name('operator', operator)}/"
+        f"{subtask:04x}/{checkpoint_id:016x}.bin"
+    )
+
+
+def write_channel_state(
+    fileio: FileIO,
+    job: str,
+    operator: str,
+    subtask: int,
+    checkpoint_id: int,
+    batches: Sequence[Any],
+) -> ChannelStateHandle:
+    """Durably write the in-flight batches (write-once) and return their handle."""
+    body = pickle.dumps(list(batches), protocol=pickle.HIGHEST_PROTOCOL)
+    data = _MAGIC + struct.pack(">I", zlib.crc32(body)) + body
+    path = channel_state_path(job, operator, subtask, checkpoint_id)
+    fileio.write_new(path, data)
+    records = sum(len(b) if isinstance(b, list | tuple) else 1 for b in batches)
+    return ChannelStateHandle(
+        fileio.url(path), checkpoint_id, operator, subtask, records, len(data)
+    )
+
+
+def read_channel_state(fileio: FileIO, handle: ChannelStateHandle) -> list[Any]:
+    """The batches of ``handle``; :class:`CorruptionError` on a bad file."""
+    data = fileio.read(fileio.relative(handle.location))
+    head = len(_MAGIC)
+    if len(data) < head + 4 or not data.startswith(_MAGIC):
+        raise CorruptionError("not a channel state file", handle.location)
+    (crc,) = struct.unpack(">I", data[head : head + 4])
+    body = data[head + 4 :]
+    if zlib.crc32(body) != crc:
+        raise CorruptionError("channel state checksum mismatch", handle.location)
+    try:
+        batches = pickle.loads(body)
+    except Exception as exc:  # pickle raises many types on bad bytes
+        raise CorruptionError(f"unreadable channel state: {exc}", handle.location) from exc
+    if not isinstance(batches, list):
+        raise CorruptionError("channel state is not a list of batches", handle.location)
+    return batches

@@ -1,0 +1,26 @@
+"""Errors of the coordinator package, subclasses of the one tree in :mod:`dstl.errors`.
+
+::
+
+    CheckpointError
+    ├── CheckpointTriggerRejectedError   a manual trigger was refused (too many pending)
+    └── SavepointError                   a savepoint could not be made self-contained
+    MetadataStoreError
+    └── SchemaVersionError               the database schema is newer than this code
+"""
+
+from __future__ import annotations
+
+from dstl.errors import CheckpointError, MetadataStoreError
+
+
+class CheckpointTriggerRejectedError(CheckpointError):
+    """A manual checkpoint trigger was refused; nothing was started."""
+
+
+class SavepointError(CheckpointError):
+    """Copying a savepoint's files failed; the savepoint was aborted, nothing recorded."""
+
+
+class SchemaVersionError(MetadataStoreError):
+    """The metadata schema is newer than this code knows; it is never downgraded."""

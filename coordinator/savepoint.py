@@ -1,0 +1,81 @@
+"""Self-contained savepoints: copy every referenced file, rewrite the handles.
+
+A savepoint's files live under ``savepoints/<job>/<checkpoint:016x>/<original path>``,
+outside every job prefix, so neither retention (savepoint rows are never expired) nor the
+orphan sweep (it lists only ``jobs/<job>/``) touches them, and the job's own files can go
+away without breaking the savepoint. Handles are frozen dataclasses: they are rebuilt with
+:func:`dataclasses.replace`, recursively, on every field named ``location``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+from coordinator.errors import SavepointError
+from coordinator.metadata import CompletedCheckpoint, SubtaskState
+from dstl import layout
+from dstl.errors import ConfigError, StorageConflictError, StorageError
+from dstl.fileio import FileIO
+
+
+def savepoint_prefix(job: str, checkpoint_id: int) -> str:
+    """The directory (relative to the store root) that holds one savepoint's files."""
+    return f"savepoints/{layout.check_name('job', job)}/{checkpoint_id:016x}"
+
+
+def rewrite_locations(value: Any, mapping: dict[str, str]) -> Any:
+    """``value`` with every ``location`` field (nested in handles and tuples) mapped."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(value):
+            old = getattr(value, f.name)
+            if f.name == "location" and isinstance(old, str):
+                new: Any = mapping.get(old, old)
+            else:
+                new = rewrite_locations(old, mapping)
+            if new is not old:
+                changes[f.name] = new
+        return dataclasses.replace(value, **changes) if changes else value
+    if isinstance(value, tuple):
+        items = tuple(rewrite_locations(v, mapping) for v in value)
+        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
+
+
+def make_self_contained(fileio: FileIO, checkpoint: CompletedCheckpoint) -> CompletedCheckpoint:
+    """Copy every file of ``checkpoint`` under its savepoint prefix; return rewritten handles.
+
+    Runs on the coordinator thread before the record is committed. On failure the copies
+    made so far are deleted (the record was never written, so nothing references them)
+    and :class:`SavepointError` is raised.
+    """
+    prefix = savepoint_prefix(checkpoint.job_id, checkpoint.checkpoint_id)
+    mapping: dict[str, str] = {}
+    try:
+        for url in checkpoint.files():
+            rel = fileio.relative(url)
+            target = f"{prefix}/{rel}"
+            # StorageConflictError: a retried copy of the same source: same bytes
+            with contextlib.suppress(StorageConflictError):
+                fileio.write_new(target, fileio.read(rel))
+            mapping[url] = fileio.url(target)
+    except (StorageError, ConfigError) as exc:
+        # if even this fails, it is left for an operator: savepoints are never swept
+        with contextlib.suppress(StorageError):
+            fileio.delete_tree(prefix)
+        raise SavepointError(
+            f"savepoint {checkpoint.checkpoint_id} of job {checkpoint.job_id}: {exc}"
+        ) from exc
+    subtasks = tuple(
+        SubtaskState(
+            s.operator,
+            s.subtask,
+            tuple(rewrite_locations(h, mapping) for h in s.handles),
+            s.offset,
+            s.stats,
+        )
+        for s in checkpoint.subtasks
+    )
+    return dataclasses.replace(checkpoint, subtasks=subtasks)

@@ -1,0 +1,49 @@
+"""A job attempt that SIGKILLs itself between "files written" and "record committed".
+
+``python -m tests.coordinator.crash_worker STORE CRASH_AT`` runs the demo pipeline on
+``STORE``; when checkpoint ``>= CRASH_AT`` has every file durable but no record yet, it
+writes that checkpoint's id and files to ``STORE/crash.json`` (fsync'd) and kills itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from coordinator.checkpoint import CheckpointOptions
+from coordinator.metadata import CompletedCheckpoint
+from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from tools.demo_job import DemoConfig, pipeline
+
+CONFIG = DemoConfig(events_per_source=6000, users=200, rate_per_source=4000.0)
+
+
+def options(store: str) -> RuntimeOptions:
+    """The options of every attempt (the test's restart uses them too)."""
+    return RuntimeOptions(
+        store_url=store,
+        checkpoint=CheckpointOptions(interval_s=0.05, retain=2),
+        materialization_interval_s=0.2,
+    )
+
+
+def main(store: str, crash_at: int) -> None:
+    def before_commit(cp: CompletedCheckpoint) -> None:
+        if cp.checkpoint_id < crash_at:
+            return
+        fd = os.open(os.path.join(store, "crash.json"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, json.dumps({"id": cp.checkpoint_id, "files": cp.files()}).encode())
+        os.fsync(fd)
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    runtime = EmbeddedRuntime(
+        pipeline(CONFIG, os.path.join(store, "output")), options(store), before_commit=before_commit
+    )
+    runtime.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

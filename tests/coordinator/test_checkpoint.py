@@ -1,0 +1,333 @@
+"""The checkpoint coordinator driven step by step with an injected clock (no sleeps).
+
+Every test runs against SQLite and a real PostgreSQL server (``metadata_url``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.channel_state import ChannelStateHandle
+from coordinator.checkpoint import CheckpointCoordinator, CheckpointOptions
+from coordinator.errors import CheckpointTriggerRejectedError
+from coordinator.metadata import CompletedCheckpoint, MetadataStore, Retention, SubtaskState
+from coordinator.sink import SinkTransactionHandle
+from dstl.errors import CheckpointError, JobFailedError, MetadataStoreError
+from dstl.fileio import FileIO
+from dstl.handles import ChangelogHandle
+
+JOB = "j"
+TASKS = [("src", 0), ("op", 0)]
+
+
+class Harness:
+    """A coordinator with fake tasks that record what they were told."""
+
+    def __init__(self, store: MetadataStore, fileio: FileIO, options: CheckpointOptions) -> None:
+        self.store = store
+        self.fileio = fileio
+        self.triggered: list[int] = []
+        self.completed: list[tuple[int, int | None]] = []
+        self.aborted: list[tuple[int, str]] = []
+        self.before_commit: list[CompletedCheckpoint] = []
+        store.start_attempt(JOB)
+        self.coord = CheckpointCoordinator(
+            store,
+            JOB,
+            TASKS,
+            self.triggered.append,
+            lambda cid, last: self.completed.append((cid, last)),
+            lambda cid, reason: self.aborted.append((cid, reason)),
+            fileio,
+            options,
+            before_commit=self.before_commit.append,
+        )
+
+    def file(self, name: str, data: bytes = b"x" * 10) -> str:
+        path = f"jobs/{JOB}/{name}"
+        if not self.fileio.exists(path):
+            self.fileio.write_new(path, data)
+        return self.fileio.url(path)
+
+    def op_state(
+        self, cid: int, segments: list[str], extra: tuple[object, ...] = ()
+    ) -> SubtaskState:
+        logs = tuple(
+            ChangelogHandle(self.file(f"changelog/{s}"), 0, "w", i, i + 1, 1, 10)
+            for i, s in enumerate(segments)
+        )
+        return SubtaskState("op", 0, (*logs, *extra), stats={"async_ms": 1.0})
+
+    def ack_all(self, cid: int, segments: list[str], extra: tuple[object, ...] = ()) -> None:
+        self.coord.acknowledge(cid, SubtaskState("src", 0, offset=cid * 100))
+        self.coord.acknowledge(cid, self.op_state(cid, segments, extra))
+
+    def exists(self, url: str) -> bool:
+        return self.fileio.exists(self.fileio.relative(url))
+
+
+@pytest.fixture
+def store(metadata_url: str) -> Iterator[MetadataStore]:
+    s = MetadataStore(metadata_url)
+    yield s
+    s.close()
+
+
+def _harness(store: MetadataStore, tmp_path: Path, **options: float) -> Harness:
+    return Harness(store, FileIO(str(tmp_path / "state")), CheckpointOptions(**options))  # type: ignore[arg-type]
+
+
+def test_interval_and_min_pause_gate_periodic_triggers(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, min_pause_s=2.0)
+    h.coord.tick(0.0)
+    assert h.triggered == [1]
+    h.coord.tick(0.9)
+    assert h.triggered == [1]  # max concurrent 1 and interval not reached
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.5)
+    assert h.completed == [(1, None)] and h.triggered == [1]
+    h.coord.tick(2.4)  # interval passed, but only 1.9 s since the completion
+    assert h.triggered == [1]
+    h.coord.tick(2.5)
+    assert h.triggered == [1, 2]
+
+
+def test_max_concurrent_and_subsumption(store: MetadataStore, tmp_path: Path) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, max_concurrent=2, tolerable_failures=0)
+    h.coord.tick(0.0)
+    h.coord.tick(1.0)
+    h.coord.tick(2.0)
+    assert h.triggered == [1, 2]
+    with pytest.raises(CheckpointTriggerRejectedError, match="max-concurrent=2"):
+        h.coord.trigger_manual(2.0)
+    h.ack_all(2, ["a"])
+    h.coord.drain(2.5)
+    # 2 completed; 1 is subsumed (aborted, not a failure: tolerable_failures=0 did not trip)
+    assert h.completed == [(2, 1)]
+    assert h.aborted == [(1, "subsumed by checkpoint 2")]
+    assert h.coord.consecutive_failures == 0 and not h.coord.pending
+    # a manual trigger ignores interval and min pause
+    assert h.coord.trigger_manual(2.5) == 3
+
+
+def test_timeout_aborts_and_a_late_ack_releases_only_private_files(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, timeout_s=5.0, interval_s=100.0)
+    h.coord.tick(0.0)
+    h.coord.tick(4.9)
+    assert h.aborted == []
+    h.coord.tick(5.0)
+    assert h.aborted == [(1, "expired before all tasks acknowledged")]
+    assert h.coord.consecutive_failures == 1
+    # The late ack references: a changelog segment (reused by the writer's next
+    # checkpoint), a staged sink transaction (committed with the next checkpoint) and
+    # channel state (private to checkpoint 1). Only the last may go.
+    channel = ChannelStateHandle(h.file("channel-state/op/0000/1.bin"), 1, "op", 0, 3, 10)
+    sink = SinkTransactionHandle(h.file("sink/out/0000/1.jsonl"), 1, 0, 3, 10)
+    h.ack_all(1, ["seg-1"], (channel, sink))
+    h.coord.tick(5.1)
+    h.coord.close()  # joins the deleter
+    assert not h.exists(channel.location)
+    assert h.exists(sink.location)
+    assert h.exists(h.fileio.url(f"jobs/{JOB}/changelog/seg-1"))
+    assert h.completed == []
+
+
+def test_decline_aborts_notifies_and_later_acks_are_late(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=100.0)
+    h.coord.tick(0.0)
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=1))
+    h.coord.decline(1, ("op", 0), "disk full")
+    h.coord.tick(0.1)
+    assert h.aborted == [(1, "declined by op/0: disk full")]
+    h.coord.acknowledge(1, h.op_state(1, ["a"]))
+    h.coord.tick(0.2)
+    assert h.completed == [] and store.latest(JOB) is None
+
+
+def test_duplicate_and_unknown_acks_are_ignored(store: MetadataStore, tmp_path: Path) -> None:
+    h = _harness(store, tmp_path, interval_s=100.0)
+    h.coord.tick(0.0)
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=7))
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=8))  # duplicate: first one wins
+    h.coord.acknowledge(1, SubtaskState("stranger", 3))
+    h.coord.tick(0.1)
+    assert h.completed == [] and 1 in h.coord.pending
+    h.coord.acknowledge(1, h.op_state(1, ["a"]))
+    h.coord.tick(0.2)
+    latest = store.latest(JOB)
+    assert latest is not None and latest.source_offsets == {"src/0": 7}
+
+
+def test_tolerable_failures_then_the_job_fails(store: MetadataStore, tmp_path: Path) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, tolerable_failures=2)
+    for t in (0.0, 1.0):
+        h.coord.tick(t)
+        h.coord.decline(h.triggered[-1], ("op", 0), "boom")
+    h.coord.tick(2.0)  # applies the second decline, triggers 3
+    assert h.coord.consecutive_failures == 2
+    h.ack_all(3, ["a"])  # a completion resets the count
+    h.coord.tick(2.5)
+    assert h.coord.consecutive_failures == 0
+    for t in (3.5, 4.5, 5.5):
+        h.coord.tick(t)
+        h.coord.decline(h.triggered[-1], ("op", 0), "boom")
+    with pytest.raises(
+        JobFailedError, match=r"3 consecutive checkpoint failures.*tolerable-failures=2.*boom"
+    ):
+        h.coord.tick(6.5)
+
+
+def test_retention_keeps_last_n_and_deletes_released_files_after_commit(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, retain=2)
+    segments = {1: ["s1", "shared"], 2: ["s2", "shared"], 3: ["s3", "shared"], 4: ["s4"]}
+    gone_early = h.file("changelog/s2")
+    for cid, segs in segments.items():
+        h.coord.tick(float(cid))
+        h.ack_all(cid, segs)
+        if cid == 4:
+            h.fileio.delete(h.fileio.relative(gone_early))  # already gone: tolerated
+        h.coord.tick(cid + 0.5)
+    h.coord.close()
+    assert [c.checkpoint_id for c in store.list(JOB)] == [3, 4]
+    assert [c for c, _ in h.completed] == [1, 2, 3, 4]
+    assert h.completed[2] == (3, 1) and h.completed[3] == (4, 2)
+    url = h.fileio.url
+    assert not h.exists(url(f"jobs/{JOB}/changelog/s1"))
+    assert h.exists(url(f"jobs/{JOB}/changelog/shared"))  # still referenced by 3
+    assert h.exists(url(f"jobs/{JOB}/changelog/s3"))
+    # the hook saw every checkpoint before its record existed; statistics are recorded
+    assert [c.checkpoint_id for c in h.before_commit] == [1, 2, 3, 4]
+    stats = store.get(JOB, 4).stats
+    assert stats["files_total"] == 1 and stats["files_new"] == 1 and stats["bytes_new"] == 10
+    stats3 = store.get(JOB, 3).stats
+    assert stats3["files_new"] == 1 and stats3["files_shared"] == 1
+    assert stats3["bytes_total"] == 20 and stats3["bytes_shared"] == 10
+    assert stats3["duration_ms"] == 500.0
+    assert stats3["subtask_stats"] == {"op/0": {"async_ms": 1.0}}
+
+
+def test_restart_continues_ids_and_never_reuses_aborted_ones(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, timeout_s=0.5)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)
+    h.coord.tick(1.0)  # 2 triggered, then expires
+    h.coord.tick(1.6)
+    h.coord.close()
+    assert h.triggered == [1, 2] and h.aborted[0][0] == 2
+    reopened = MetadataStore(store.url)
+    h2 = Harness(reopened, h.fileio, CheckpointOptions(interval_s=1.0))
+    h2.coord.tick(100.0)
+    assert h2.triggered == [3]
+    h2.ack_all(3, ["a", "b"])
+    h2.coord.tick(100.1)
+    assert h2.completed == [(3, 1)]
+    # the restarted coordinator's statistics compare with the restored checkpoint
+    assert reopened.get(JOB, 3).stats["files_new"] == 1
+    h2.coord.close()
+    reopened.close()
+
+
+def test_savepoint_is_self_contained_and_survives_retention(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0, retain=1)
+    future = h.coord.request_savepoint()
+    h.coord.tick(0.0)  # the savepoint (id 1) and a periodic checkpoint (id 2)
+    assert h.triggered == [1, 2]
+    sink = SinkTransactionHandle(h.file("sink/out/0000/1.jsonl", b"[1]\n"), 1, 0, 1, 4)
+    h.ack_all(1, ["seg-a"], (sink,))
+    h.coord.tick(0.1)
+    sp = future.result(timeout=0)
+    assert sp.kind == "savepoint" and sp.checkpoint_id == 1
+    # 2 was triggered before 1 completed: a savepoint does not subsume it
+    assert 2 in h.coord.pending
+    files = sp.files()
+    assert files and all(f.startswith(h.fileio.url(f"savepoints/{JOB}/{1:016x}/")) for f in files)
+    op = sp.states_of("op")[0]
+    assert op.handles[0].location.endswith(f"savepoints/{JOB}/{1:016x}/jobs/{JOB}/changelog/seg-a")
+    assert store.get(JOB, 1).files() == files  # the record points at the copies
+    for cid in (2, 3, 4):  # retention of later checkpoints never removes the savepoint
+        if cid not in h.coord.pending:
+            h.coord.tick(float(cid))
+        h.ack_all(cid, [f"seg-{cid}"])
+        h.coord.tick(cid + 0.5)
+    h.coord.close()
+    assert [c.checkpoint_id for c in store.list(JOB)] == [1, 4]
+    h.fileio.delete_tree(f"jobs/{JOB}")  # the job's own files are gone
+    assert all(h.exists(f) for f in files)
+    assert h.fileio.read(h.fileio.relative(files[-1])) == b"[1]\n"
+
+
+def test_savepoint_failure_is_reported_and_not_a_checkpoint_failure(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=100.0, tolerable_failures=0)
+    future = h.coord.request_savepoint()
+    h.coord.tick(0.0)
+    missing = ChangelogHandle(
+        h.fileio.url(f"jobs/{JOB}/changelog/never-written"), 0, "w", 0, 1, 1, 1
+    )
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=0))
+    h.coord.acknowledge(1, SubtaskState("op", 0, (missing,)))
+    h.coord.tick(0.1)  # no JobFailedError although tolerable_failures=0
+    with pytest.raises(CheckpointError, match="savepoint 1"):
+        future.result(timeout=0)
+    assert store.latest(JOB) is None
+    assert not h.fileio.exists(f"savepoints/{JOB}/{1:016x}")
+
+
+class _CommitLandsButReportsFailure(MetadataStore):
+    """A store whose commit lands and then reports an error: an unknown outcome."""
+
+    fail = True
+
+    def record_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> Retention:
+        result = super().record_completed(checkpoint, retain)
+        if self.fail:
+            raise MetadataStoreError("connection lost after COMMIT was sent")
+        return result
+
+
+def test_unknown_commit_outcome_deletes_nothing(metadata_url: str, tmp_path: Path) -> None:
+    store = _CommitLandsButReportsFailure(metadata_url)
+    h = _harness(store, tmp_path, interval_s=100.0)
+    h.coord.tick(0.0)
+    channel = ChannelStateHandle(h.file("channel-state/op/0000/1.bin"), 1, "op", 0, 3, 10)
+    h.ack_all(1, ["seg-1"], (channel,))
+    h.coord.tick(0.1)
+    assert h.completed == [] and h.aborted and h.aborted[0][0] == 1
+    assert h.coord.consecutive_failures == 1
+    h.ack_all(1, ["seg-1"], (channel,))  # a late ack of the unknown checkpoint
+    h.coord.tick(0.2)
+    h.coord.close()
+    assert h.exists(channel.location)  # the record did land and references it
+    assert store.get(JOB, 1).files() == [
+        h.fileio.url(f"jobs/{JOB}/changelog/seg-1"),
+        channel.location,
+    ]
+    store.close()
+
+
+def test_close_fails_savepoints_that_did_not_complete(store: MetadataStore, tmp_path: Path) -> None:
+    h = _harness(store, tmp_path, interval_s=100.0)
+    triggered = h.coord.request_savepoint()
+    h.coord.tick(0.0)
+    never_triggered = h.coord.request_savepoint()
+    h.coord.close()
+    for fut in (triggered, never_triggered):
+        with pytest.raises(CheckpointError, match="stopped before the savepoint completed"):
+            fut.result(timeout=0)
