@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class PendingCheckpoint:
     triggered_at: float
     kind: str
     acks: dict[TaskId, SubtaskState] = field(default_factory=dict)
+    triggered_wall: float = 0.0  # epoch seconds, for the record (``triggered_at`` is the clock's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ class CheckpointCoordinator:
         fileio: FileIO,
         options: CheckpointOptions | None = None,
         before_commit: Callable[[CompletedCheckpoint], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.job_id = job_id
@@ -158,6 +161,8 @@ class CheckpointCoordinator:
         self._notify_abort = notify_abort
         self._fileio = fileio
         self._before_commit = before_commit
+        # ``now`` drives the state machine (monotonic, injectable); records get wall time.
+        self._wall_clock = wall_clock
         self.options = options or CheckpointOptions()
         self.pending: dict[int, PendingCheckpoint] = {}
         self.completed: list[CompletedCheckpoint] = []
@@ -261,7 +266,9 @@ class CheckpointCoordinator:
         if kind not in (CHECKPOINT, SAVEPOINT):
             raise ConfigError(f"unknown checkpoint kind {kind!r}")
         checkpoint_id = self.store.next_checkpoint_id(self.job_id)
-        self.pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, now, kind)
+        self.pending[checkpoint_id] = PendingCheckpoint(
+            checkpoint_id, now, kind, triggered_wall=self._wall_clock()
+        )
         self.last_triggered_id = checkpoint_id
         if kind == CHECKPOINT:
             self._last_trigger = now
@@ -314,7 +321,13 @@ class CheckpointCoordinator:
         del self.pending[cp.checkpoint_id]
         states = tuple(cp.acks[t] for t in sorted(cp.acks))
         completed = CompletedCheckpoint(
-            self.job_id, cp.checkpoint_id, cp.kind, cp.triggered_at, now, states, {}
+            self.job_id,
+            cp.checkpoint_id,
+            cp.kind,
+            cp.triggered_wall,
+            self._wall_clock(),
+            states,
+            {},
         )
         try:
             if cp.kind == SAVEPOINT:

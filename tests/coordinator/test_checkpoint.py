@@ -331,3 +331,21 @@ def test_close_fails_savepoints_that_did_not_complete(store: MetadataStore, tmp_
     for fut in (triggered, never_triggered):
         with pytest.raises(CheckpointError, match="stopped before the savepoint completed"):
             fut.result(timeout=0)
+
+
+def test_records_carry_wall_clock_times_not_the_injected_clock(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    # Regression: records stored the monotonic clock, so statectl showed 1970 dates.
+    import time
+
+    h = _harness(store, tmp_path, interval_s=1.0)
+    before = time.time()
+    h.coord.tick(5.0)  # the injected clock is far from epoch time
+    (cid,) = h.triggered
+    h.ack_all(cid, ["a"])
+    h.coord.tick(5.2)
+    latest = store.latest(JOB)
+    assert latest is not None
+    assert before - 1 <= latest.triggered_at <= latest.completed_at <= time.time() + 1
+    assert latest.stats["duration_ms"] == pytest.approx(200.0)
