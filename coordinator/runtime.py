@@ -171,6 +171,7 @@ class _Trigger:
 class _Notify:
     checkpoint_id: int
     completed: bool
+    known_abort: bool = False  # an abort whose record surely did not land
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,9 +302,12 @@ class EmbeddedRuntime:
                 s.control.put(_Trigger(cid))
 
         def notify(cid: int, completed: bool) -> None:
+            # An abort after an unknown commit outcome may still be a recorded checkpoint:
+            # writers must then keep its segments, so only known aborts reset them.
+            message = _Notify(cid, completed, not completed and cid in coordinator.aborted)
             for op in operators:
-                op.gate.put_control(_Notify(cid, completed))
-            sink.gate.put_control(_Notify(cid, completed))
+                op.gate.put_control(message)
+            sink.gate.put_control(message)
 
         coordinator = CheckpointCoordinator(
             store,
@@ -592,6 +596,11 @@ class _OperatorTask:
                     (self.rt.pipeline.operator.name, self.subtask),
                     "alignment cancelled",
                 )
+            elif isinstance(element, _Notify):
+                if element.completed:
+                    backend.writer.confirm(element.checkpoint_id)
+                elif element.known_abort:
+                    backend.writer.reset(element.checkpoint_id)
             elif isinstance(element, _MaterializationDone):
                 self._materializing = False
                 if element.handle is not None:
