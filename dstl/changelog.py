@@ -26,6 +26,7 @@ not-yet-truncated range may still need it; closing deletes nothing.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -142,6 +143,16 @@ class ChangeBuffer:
         self.user_key: list[bytes | None] = []
         self.value: list[bytes | None] = []
         self.nbytes = 0
+
+    def drop_below(self, sqn: int) -> None:
+        """Forget the records with a sequence number below ``sqn`` (they are sorted)."""
+        cut = bisect.bisect_left(self.sqn, sqn)
+        if cut == 0:
+            return
+        total = len(self.sqn)
+        for name in ("key_group", "sqn", "state", "op", "key", "user_key", "value"):
+            del getattr(self, name)[:cut]
+        self.nbytes = self.nbytes * (total - cut) // total
 
     def __len__(self) -> int:
         return len(self.sqn)
@@ -353,6 +364,10 @@ class ChangelogWriter:
         (on its upload thread); see :mod:`dstl.tracking`.
         """
         self._uploads = [u for u in self._uploads if u.sqn_end > to_sqn or not u.future.done()]
+        # Buffered changes below the materialization were never uploaded: uploading them
+        # with the next checkpoint would only add bytes that restore filters out again.
+        self._buffer.drop_below(to_sqn)
+        self._buffer_start = max(self._buffer_start, min(to_sqn, self._active_sqn))
         if self._truncated_to is None or to_sqn > self._truncated_to:
             self._truncated_to = to_sqn
         self._storage._delete_later(self._storage._tracker.truncate(self.writer_id, to_sqn))

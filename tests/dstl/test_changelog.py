@@ -149,3 +149,19 @@ def test_options_from_dotted_keys() -> None:
         ChangelogOptions.from_dict({"dstl.nope": 1})
     with pytest.raises(ConfigError, match="cannot parse"):
         ChangelogOptions.from_dict({"dstl.batch.max-bytes": "lots"})
+
+
+def test_truncate_drops_buffered_changes_below_the_materialization(
+    fileio: FileIO, storage: ChangelogStorage
+) -> None:
+    # Regression: changes appended before a materialization but not yet uploaded were
+    # uploaded with the next checkpoint anyway (restore filtered them out again).
+    w = storage.create_writer("a")
+    for i in range(1000):
+        w.append(0, "s", 1, b"k", None, b"old%d" % i)
+    boundary = w.next_sqn()  # what a materialization snapshot does
+    w.append(0, "s", 1, b"k", None, b"new")
+    w.truncate(boundary)  # the materialization was applied
+    handles = w.persist(boundary, 1).result()
+    assert sum(h.rows for h in handles) == 1
+    assert _rows(fileio, handles, from_sqn=boundary) == [b"new"]
