@@ -1,125 +1,202 @@
 """The changelog wrapper: every mutation of the inner backend is mirrored into the DSTL.
 
 Each state call first changes the inner store, then appends one typed change record
-(:class:`~backends.state.Op`) with the serialized key, user key and value. Registering a
-state appends a self-describing ``META`` record. A checkpoint persists the log since the
-last materialization and returns a :class:`~backends.handles.KeyedStateHandle`.
+(:class:`~backends.state.Op`) with the serialized key, user key and *raw* value (with TTL,
+``(ts, value)``; reducing/aggregating state: the new accumulator as ``ACC_SET``; timers:
+``TIMER_REGISTER``/``TIMER_DELETE``). Registering a state appends a self-describing
+``META`` record. The wrapper sits between the store's raw states and the store-independent
+behaviour of :mod:`backends.wrappers`, so TTL cleanups and accumulator updates are logged
+as the raw changes they are. A checkpoint persists the log since the last materialization
+and returns a :class:`~backends.handles.KeyedStateHandle`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from backends.backend import KeyedStateBackend
+from backends.batch import prepare_batch
 from backends.handles import KeyedStateHandle, MaterializationHandle
-from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, pack_list
 from backends.snapshot import MaterializationSnapshot
-from backends.state import (
-    ListStateDescriptor,
-    MapStateDescriptor,
-    Op,
-    StateDescriptor,
-    ValueStateDescriptor,
-)
+from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
+from backends.wrappers import wrap
 from dstl.changelog import ChangelogWriter
 from dstl.handles import ChangelogHandle
 
+FLUSH_RECORDS = 1024  # a logged state hands its records to the writer every this many
 
-class _LoggedValueState:
-    __slots__ = ("_backend", "_inner", "_name", "_ser", "_writer")
+_CLEAR = Op.CLEAR
+_LIST_ADD = Op.LIST_ADD
+_LIST_SET = Op.LIST_SET
 
-    def __init__(
-        self, backend: ChangelogKeyedStateBackend, inner: Any, name: str, ser: Serializer
-    ) -> None:
+
+class _Logged:
+    """Base of logged raw states: a per-state, columnar buffer of change records.
+
+    Appending to a few lists is the cheapest thing Python does per record (no tuple per
+    record, so no garbage-collector pressure); the buffer is handed to the writer with one
+    ``append_columns`` call per run of equal ops (:meth:`flush`) every
+    :data:`FLUSH_RECORDS` records and before anything that closes a change set
+    (checkpoint, materialization). Records of *different* states may reach the writer in
+    another order than they happened; records of one state never do, and replay is per
+    state, so the restored state is the same. Task thread only.
+    """
+
+    __slots__ = ("_backend", "_inner", "_keys", "_kgs", "_name", "_ops", "_uks", "_vals", "_writer")
+
+    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         self._backend = backend.inner
         self._inner = inner
-        self._name = name
-        self._ser = ser
+        self._name = meta.name
         self._writer = backend.writer
+        self._ops: list[int] = []
+        self._kgs: list[int] = []
+        self._keys: list[bytes] = []
+        self._vals: list[bytes | None] = []
+        self._uks: list[bytes | None] | None = None
+        backend._logged.append(self)
+
+    def flush(self) -> None:
+        """Hand the buffered records to the writer, in order."""
+        ops = self._ops
+        if not ops:
+            return
+        kgs, keys, vals, uks = self._kgs, self._keys, self._vals, self._uks
+        self._ops, self._kgs, self._keys, self._vals = [], [], [], []
+        if uks is not None:
+            self._uks = []
+        append = self._writer.append_columns
+        first = ops[0]
+        n = len(ops)
+        if ops.count(first) == n:
+            append(kgs, self._name, first, keys, vals, uks)
+            return
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or ops[i] != ops[start]:
+                append(
+                    kgs[start:i],
+                    self._name,
+                    ops[start],
+                    keys[start:i],
+                    vals[start:i],
+                    None if uks is None else uks[start:i],
+                )
+                start = i
+
+    def clear(self) -> None:
+        self._inner.clear()
+        self._log(_CLEAR, None)
+
+    def _log(self, op: int, value: bytes | None) -> None:
+        b = self._backend
+        ops = self._ops
+        ops.append(op)
+        self._kgs.append(b.current_key_group)
+        self._keys.append(b.current_key_bytes)
+        self._vals.append(value)
+        if self._uks is not None:
+            self._uks.append(None)
+        if len(ops) >= FLUSH_RECORDS:
+            self.flush()
+
+
+class _LoggedValueState(_Logged):
+    """Raw value-like state that logs ``op`` (VALUE_SET or ACC_SET). Task thread only."""
+
+    __slots__ = ("_op", "_put_bytes", "_ser")
+
+    def __init__(
+        self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
+    ) -> None:
+        super().__init__(backend, inner, meta)
+        self._ser = meta.raw_value_ser().serialize
+        self._op = op
+        # Stores that keep bytes (RocksDB) take the bytes we serialize for the log.
+        self._put_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
 
     def value(self) -> Any:
         return self._inner.value()
 
     def update(self, value: Any) -> None:
-        self._inner.update(value)
+        data = self._ser(value)
+        put = self._put_bytes
+        if put is None:
+            self._inner.update(value)
+        else:
+            put(data)
         b = self._backend
-        self._writer.append(
-            b.current_key_group,
-            self._name,
-            Op.VALUE_SET,
-            b.current_key_bytes,
-            None,
-            self._ser.serialize(value),
-        )
-
-    def clear(self) -> None:
-        self._inner.clear()
-        b = self._backend
-        self._writer.append(b.current_key_group, self._name, Op.CLEAR, b.current_key_bytes)
+        ops = self._ops
+        ops.append(self._op)
+        self._kgs.append(b.current_key_group)
+        self._keys.append(b.current_key_bytes)
+        self._vals.append(data)
+        if len(ops) >= FLUSH_RECORDS:
+            self.flush()
 
 
-class _LoggedListState:
-    __slots__ = ("_backend", "_inner", "_name", "_ser", "_writer")
+class _LoggedListState(_Logged):
+    """Raw list state that logs LIST_ADD / LIST_SET / CLEAR. Task thread only."""
 
-    def __init__(
-        self, backend: ChangelogKeyedStateBackend, inner: Any, name: str, ser: Serializer
-    ) -> None:
-        self._backend = backend.inner
-        self._inner = inner
-        self._name = name
-        self._ser = ser
-        self._writer = backend.writer
+    __slots__ = ("_add_bytes", "_ser")
+
+    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
+        super().__init__(backend, inner, meta)
+        self._ser = meta.raw_value_ser().serialize
+        self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
 
     def get(self) -> list[Any]:
         return self._inner.get()
 
     def add(self, value: Any) -> None:
-        self._inner.add(value)
+        data = self._ser(value)
+        add = self._add_bytes
+        if add is None:
+            self._inner.add(value)
+        else:
+            add(data)
         b = self._backend
-        self._writer.append(
-            b.current_key_group,
-            self._name,
-            Op.LIST_ADD,
-            b.current_key_bytes,
-            None,
-            self._ser.serialize(value),
-        )
+        ops = self._ops
+        ops.append(_LIST_ADD)
+        self._kgs.append(b.current_key_group)
+        self._keys.append(b.current_key_bytes)
+        self._vals.append(data)
+        if len(ops) >= FLUSH_RECORDS:
+            self.flush()
 
     def update(self, values: Iterable[Any]) -> None:
         items = list(values)
+        if not items:
+            self.clear()
+            return
         self._inner.update(items)
-        b = self._backend
-        packed = pack_list([self._ser.serialize(v) for v in items])
-        self._writer.append(
-            b.current_key_group, self._name, Op.LIST_SET, b.current_key_bytes, None, packed
-        )
-
-    def clear(self) -> None:
-        self._inner.clear()
-        b = self._backend
-        self._writer.append(b.current_key_group, self._name, Op.CLEAR, b.current_key_bytes)
+        ser = self._ser
+        self._log(_LIST_SET, pack_list([ser(v) for v in items]))
 
 
-class _LoggedMapState:
-    __slots__ = ("_backend", "_inner", "_name", "_uk", "_v", "_writer")
+class _LoggedMapState(_Logged):
+    """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only."""
+
+    __slots__ = ("_put_op", "_remove_op", "_uk", "_v")
 
     def __init__(
         self,
         backend: ChangelogKeyedStateBackend,
         inner: Any,
-        name: str,
-        uk: Serializer,
-        v: Serializer,
+        meta: StateMeta,
+        put_op: Op,
+        remove_op: Op,
     ) -> None:
-        self._backend = backend.inner
-        self._inner = inner
-        self._name = name
-        self._uk = uk
-        self._v = v
-        self._writer = backend.writer
+        super().__init__(backend, inner, meta)
+        self._uks = []
+        self._uk = meta.user_key_ser().serialize
+        self._v = meta.raw_value_ser().serialize
+        self._put_op = put_op
+        self._remove_op = remove_op
 
     def get(self, user_key: Any) -> Any:
         return self._inner.get(user_key)
@@ -132,35 +209,30 @@ class _LoggedMapState:
 
     def put(self, user_key: Any, value: Any) -> None:
         self._inner.put(user_key, value)
-        b = self._backend
-        self._writer.append(
-            b.current_key_group,
-            self._name,
-            Op.MAP_PUT,
-            b.current_key_bytes,
-            self._uk.serialize(user_key),
-            self._v.serialize(value),
-        )
+        self._log_entry(self._put_op, self._uk(user_key), self._v(value))
 
     def remove(self, user_key: Any) -> None:
         self._inner.remove(user_key)
+        self._log_entry(self._remove_op, self._uk(user_key), None)
+
+    def _log_entry(self, op: int, user_key: bytes, value: bytes | None) -> None:
         b = self._backend
-        self._writer.append(
-            b.current_key_group,
-            self._name,
-            Op.MAP_REMOVE,
-            b.current_key_bytes,
-            self._uk.serialize(user_key),
-        )
-
-    def clear(self) -> None:
-        self._inner.clear()
-        b = self._backend
-        self._writer.append(b.current_key_group, self._name, Op.CLEAR, b.current_key_bytes)
+        ops = self._ops
+        ops.append(op)
+        self._kgs.append(b.current_key_group)
+        self._keys.append(b.current_key_bytes)
+        self._vals.append(value)
+        self._uks.append(user_key)  # type: ignore[union-attr]
+        if len(ops) >= FLUSH_RECORDS:
+            self.flush()
 
 
-class ChangelogKeyedStateBackend:
-    """Wraps a keyed backend so that every mutation is also written to a DSTL writer.
+B = TypeVar("B", bound=KeyedStateBackend)
+
+
+class ChangelogKeyedStateBackend(Generic[B]):
+    """Wraps a keyed backend (heap or RocksDB) so every mutation is also written to a DSTL
+    writer.
 
     Task thread only (the writer too). Invariants: the inner state equals the restored
     base plus the replay of every change appended since; :attr:`base` and
@@ -168,13 +240,18 @@ class ChangelogKeyedStateBackend:
     materialization of this backend replaces them.
     """
 
-    def __init__(self, inner: HeapKeyedStateBackend, writer: ChangelogWriter) -> None:
+    def __init__(self, inner: B, writer: ChangelogWriter) -> None:
         self.inner = inner
         self.writer = writer
+        # The hot path: no extra call layer for key switches.
+        self.set_current_key = inner.set_current_key  # type: ignore[method-assign]
+        self.set_current_key_raw = inner.set_current_key_raw  # type: ignore[method-assign]
         self.base: tuple[MaterializationHandle, ...] = ()
         self.restored_log: tuple[ChangelogHandle, ...] = ()
         self._log_from_sqn = writer.next_sqn()
         self._states: dict[str, Any] = {}
+        self._raw: dict[str, Any] = {}
+        self._logged: list[_Logged] = []
         self._logged_metas: set[str] = set()
 
     @property
@@ -187,31 +264,128 @@ class ChangelogKeyedStateBackend:
         """The key groups this backend owns."""
         return self.inner.key_group_range
 
+    @property
+    def key_serializer(self) -> Serializer:
+        """The inner backend's key serializer."""
+        return self.inner.key_serializer
+
+    @property
+    def max_parallelism(self) -> int:
+        """The inner backend's max parallelism."""
+        return self.inner.max_parallelism
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """The inner backend's TTL clock (milliseconds)."""
+        return self.inner.clock
+
+    @property
+    def current_key(self) -> Any:
+        """The current key."""
+        return self.inner.current_key
+
+    @property
+    def current_key_bytes(self) -> bytes:
+        """The current key's bytes."""
+        return self.inner.current_key_bytes
+
+    @property
+    def current_key_group(self) -> int:
+        """The current key's group."""
+        return self.inner.current_key_group
+
     def set_current_key(self, key: Any) -> None:
         """Make ``key`` the key every state call acts on."""
         self.inner.set_current_key(key)
 
+    def set_current_key_raw(self, key: Any, key_bytes: bytes, key_group: int) -> None:
+        """Set the current key when its bytes and group are already known."""
+        self.inner.set_current_key_raw(key, key_bytes, key_group)
+
     def get_state(self, descriptor: StateDescriptor) -> Any:
-        """The logged state object for ``descriptor`` (same object on every call)."""
-        state = self._states.get(descriptor.name)
-        inner = self.inner.get_state(descriptor)  # checks compatibility every time
+        """The logged state object for ``descriptor`` (same object on every call).
+
+        Checks compatibility with an existing declaration on every call.
+        """
+        meta = descriptor.meta
+        state = self._states.get(meta.name)
         if state is not None:
+            self.inner.state_metas()[meta.name].check_compatible(meta)
             return state
-        self._log_meta_once(descriptor.name)
-        if isinstance(descriptor, ValueStateDescriptor):
-            state = _LoggedValueState(self, inner, descriptor.name, descriptor.serializer)
-        elif isinstance(descriptor, ListStateDescriptor):
-            state = _LoggedListState(self, inner, descriptor.name, descriptor.serializer)
-        elif isinstance(descriptor, MapStateDescriptor):
-            state = _LoggedMapState(
-                self,
-                inner,
-                descriptor.name,
-                descriptor.user_key_serializer,
-                descriptor.value_serializer,
-            )
-        self._states[descriptor.name] = state
+        state = wrap(descriptor, self.internal_state(meta), self.inner.clock)
+        self._states[meta.name] = state
         return state
+
+    def internal_state(self, meta: StateMeta) -> Any:
+        """The logged raw state of ``meta`` (registers it and logs its META once)."""
+        logged = self._raw.get(meta.name)
+        raw = self.inner.internal_state(meta)  # registers, checks compatibility
+        if logged is not None:
+            return logged
+        self._log_meta_once(meta.name)
+        if meta.kind is StateKind.LIST:
+            logged = _LoggedListState(self, raw, meta)
+        elif meta.kind is StateKind.TIMER:
+            logged = _LoggedMapState(self, raw, meta, Op.TIMER_REGISTER, Op.TIMER_DELETE)
+        elif meta.kind in MAP_LIKE:
+            logged = _LoggedMapState(self, raw, meta, Op.MAP_PUT, Op.MAP_REMOVE)
+        elif meta.kind is StateKind.VALUE:
+            logged = _LoggedValueState(self, raw, meta, Op.VALUE_SET)
+        else:
+            logged = _LoggedValueState(self, raw, meta, Op.ACC_SET)
+        self._raw[meta.name] = logged
+        return logged
+
+    def state_metas(self) -> dict[str, StateMeta]:
+        """Every state declared or restored, by name."""
+        return self.inner.state_metas()
+
+    def flush_log(self) -> None:
+        """Hand every buffered change record to the writer.
+
+        Called before every change-set boundary (checkpoint, materialization); call it
+        yourself before using :attr:`writer` directly.
+        """
+        for state in self._logged:
+            state.flush()
+
+    def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:
+        """The inner store's raw entries of state ``name``."""
+        return self.inner.entries(name)
+
+    def apply_batch(
+        self, descriptor: StateDescriptor, keys: Any, values: Any, user_keys: Any = None
+    ) -> None:
+        """Columnar update of many keys: one store batch plus one ``append_columns``."""
+        self.get_state(descriptor)
+        self._raw[descriptor.name].flush()  # keep this state's records in order
+        inner = self.inner
+        meta, batch = prepare_batch(
+            descriptor,
+            inner.key_serializer,
+            inner.key_group_range,
+            inner.max_parallelism,
+            inner.clock(),
+            keys,
+            values,
+            user_keys,
+        )
+        inner.apply_prepared(meta, batch)
+        if not batch.keys:
+            return
+        uks = batch.user_key_bytes_with(meta.user_key_ser()) if batch.user_keys else None
+        self.writer.append_columns(
+            batch.key_groups,
+            meta.name,
+            batch.op,
+            batch.key_bytes,
+            batch.value_bytes_with(meta.raw_value_ser()),
+            uks,
+        )
+
+    def close(self) -> None:
+        """Close the inner store (the writer belongs to its storage)."""
+        self.inner.close()
 
     def _log_meta_once(self, name: str) -> None:
         if name not in self._logged_metas:
@@ -224,6 +398,7 @@ class ChangelogKeyedStateBackend:
 
         Called on the task thread at the barrier; the future completes on the upload thread.
         """
+        self.flush_log()
         for name in self.inner.state_metas():  # restored states must be self-describing too
             self._log_meta_once(name)
         persisted = self.writer.persist(self._log_from_sqn, checkpoint_id)
@@ -253,11 +428,13 @@ class ChangelogKeyedStateBackend:
 
     def changed_since_materialization(self) -> bool:
         """Whether anything was logged since the current base (or since the start)."""
+        self.flush_log()
         last = self.writer.last_appended_sqn()
         return last is not None and last >= self._log_from_sqn
 
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
         """Close the active change set and copy the state (the synchronous part)."""
+        self.flush_log()
         return self.inner.snapshot(sqn=self.writer.next_sqn())
 
     def materialization_done(self, handle: MaterializationHandle) -> None:

@@ -16,6 +16,9 @@ class StateFileHandle:
 
     ``state`` is the state it holds (``None`` for files that hold many, like SSTs);
     ``file_id`` is its identity for sharing (content checksum, or name + size + checksum).
+    ``name`` is the snapshot's file name (:attr:`SnapshotFile.name`); a ``rocksdb-sst``
+    restore needs it to rebuild the database directory. Empty means "the last path
+    component of ``location``" (true when the file is stored under its own name).
     """
 
     location: str
@@ -25,6 +28,7 @@ class StateFileHandle:
     key_group_start: int = 0
     key_group_end: int = 0
     rows: int = 0
+    name: str = ""
 
     TYPE_TAG: ClassVar[str]
 
@@ -43,8 +47,9 @@ class MaterializationHandle:
     """A materialized snapshot of one backend: every file it needs and the log position.
 
     It covers exactly the changes of writer ``writer_id`` with ``sqn < sqn``; files may be
-    shared with earlier materializations. ``kind`` names the table format (``heap-parquet``
-    or ``rocksdb-sst``).
+    shared with earlier materializations. ``kind`` names the table format: ``heap-parquet``
+    (typed Parquet state tables) or ``rocksdb-sst`` (a RocksDB checkpoint's files plus
+    ``STATE-META.json``); restore dispatches on it.
     """
 
     writer_id: str

@@ -2,27 +2,33 @@
 
 Layout: ``tables[state][key_group][key] -> value`` with keys and values as Python objects,
 so reads cost a dict lookup. Keys are serialized once per :meth:`set_current_key` (for the
-key group, and reused by the changelog wrapper).
+key group, and reused by the changelog wrapper). Values are *raw* (see
+:mod:`backends.wrappers`): value-like states hold the value or accumulator, list state a
+Python list, map and timer state a dict; with TTL every value/element/entry is
+``(timestamp_ms, value)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import copy
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backends.backend import wall_clock_ms
+from backends.batch import PreparedBatch, prepare_batch
+from backends.errors import KeyGroupOutOfRangeError
 from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
-from backends.serializers import Serializer, serializer_for
+from backends.serializers import Serializer
 from backends.snapshot import SnapshotFile
 from backends.state import (
-    ListStateDescriptor,
-    MapStateDescriptor,
+    MAP_LIKE,
+    Op,
     StateDescriptor,
     StateKind,
     StateMeta,
-    ValueStateDescriptor,
 )
-from dstl.errors import ConfigError, StateBackendError
+from backends.wrappers import alive, wrap
 
 Table = dict[int, dict[Any, Any]]
 
@@ -204,7 +210,8 @@ class HeapKeyedStateBackend:
     """Keyed state in Python dicts for the key groups in ``key_group_range``.
 
     Task thread only. Invariant: every stored entry's key hashes into
-    ``key_group_range``; setting a key outside it raises.
+    ``key_group_range``; setting a key outside it raises :class:`KeyGroupOutOfRangeError`.
+    ``clock`` (milliseconds) drives TTL; inject a fake one in tests.
     """
 
     def __init__(
@@ -212,15 +219,18 @@ class HeapKeyedStateBackend:
         key_serializer: Serializer,
         key_group_range: KeyGroupRange,
         max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+        clock: Callable[[], int] = wall_clock_ms,
     ) -> None:
         self.key_serializer = key_serializer
         self.key_group_range = key_group_range
         self.max_parallelism = max_parallelism
+        self.clock = clock
         self.current_key: Any = None
         self.current_key_bytes = b""
         self.current_key_group = -1
         self._metas: dict[str, StateMeta] = {}
         self._tables: dict[str, Table] = {}
+        self._raw: dict[str, Any] = {}
         self._states: dict[str, Any] = {}
 
     # -- keys -------------------------------------------------------------------------
@@ -228,8 +238,9 @@ class HeapKeyedStateBackend:
         """Make ``key`` the key every state call acts on."""
         key_bytes = self.key_serializer.serialize(key)
         kg = key_group_for(key_bytes, self.max_parallelism)
-        if kg not in self.key_group_range:
-            raise StateBackendError(
+        rng = self.key_group_range
+        if not rng.start <= kg < rng.end:
+            raise KeyGroupOutOfRangeError(
                 f"key {key!r} is in key group {kg}, outside this backend's "
                 f"[{self.key_group_range.start}, {self.key_group_range.end})"
             )
@@ -248,22 +259,14 @@ class HeapKeyedStateBackend:
         """The state object for ``descriptor``; the same object on every call.
 
         Raises :class:`SchemaMismatchError` if a state of that name exists (declared or
-        restored) with other serializers or another kind.
+        restored) with other serializers, another kind or another TTL.
         """
         meta = descriptor.meta
         state = self._states.get(meta.name)
         if state is not None:
             self._metas[meta.name].check_compatible(meta)
             return state
-        table = self._register(meta)
-        if isinstance(descriptor, ValueStateDescriptor):
-            state = _HeapValueState(self, table, descriptor.default)
-        elif isinstance(descriptor, ListStateDescriptor):
-            state = _HeapListState(self, table)
-        elif isinstance(descriptor, MapStateDescriptor):
-            state = _HeapMapState(self, table)
-        else:  # pragma: no cover - the union is closed
-            raise ConfigError(f"unknown descriptor {descriptor!r}")
+        state = wrap(descriptor, self.internal_state(meta), self.clock)
         self._states[meta.name] = state
         return state
 
@@ -286,39 +289,59 @@ class HeapKeyedStateBackend:
         return dict(self._metas)
 
     def internal_state(self, meta: StateMeta) -> Any:
-        """A state object for replay, built from metadata (no user descriptor needed)."""
-        state = self._states.get(meta.name)
-        if state is not None:
-            return state
-        value = serializer_for(meta.value_serializer)
-        if meta.kind is StateKind.VALUE:
-            return self.get_state(ValueStateDescriptor(meta.name, value))
-        if meta.kind is StateKind.LIST:
-            return self.get_state(ListStateDescriptor(meta.name, value))
-        assert meta.user_key_serializer is not None
-        return self.get_state(
-            MapStateDescriptor(meta.name, serializer_for(meta.user_key_serializer), value)
-        )
+        """The raw state of ``meta`` for replay and wrappers (no user descriptor needed)."""
+        table = self._register(meta)
+        raw = self._raw.get(meta.name)
+        if raw is None:
+            if meta.kind is StateKind.LIST:
+                raw = _HeapListState(self, table)
+            elif meta.kind in MAP_LIKE:
+                raw = _HeapMapState(self, table)
+            else:
+                raw = _HeapValueState(self, table, None)
+            self._raw[meta.name] = raw
+        return raw
 
     # -- snapshot and bulk load -------------------------------------------------------
     def snapshot(self, sqn: int | None = None) -> StateSnapshot:
-        """A copy of all state that later mutations do not affect. O(state); task thread."""
+        """A copy of all state that later mutations do not affect. O(state); task thread.
+
+        Expired TTL entries are dropped from the copy and from the live store.
+        """
         tables: dict[str, Table] = {}
+        now = self.clock()
         for name, table in self._tables.items():
-            kind = self._metas[name].kind
-            if kind is StateKind.VALUE:
-                tables[name] = {kg: m.copy() for kg, m in table.items() if m}
-            elif kind is StateKind.LIST:
+            meta = self._metas[name]
+            if meta.ttl is not None:
+                self._purge_expired(meta, table, now)
+            kind = meta.kind
+            if kind is StateKind.LIST:
                 tables[name] = {
                     kg: {k: list(v) for k, v in m.items()} for kg, m in table.items() if m
                 }
-            else:
+            elif kind in MAP_LIKE:
                 tables[name] = {
                     kg: {k: dict(v) for k, v in m.items()} for kg, m in table.items() if m
                 }
+            elif kind is StateKind.AGGREGATING:  # aggregate functions may mutate in place
+                tables[name] = {kg: copy.deepcopy(m) for kg, m in table.items() if m}
+            else:
+                tables[name] = {kg: m.copy() for kg, m in table.items() if m}
         return StateSnapshot(
             self.key_serializer, self.key_group_range, dict(self._metas), tables, sqn
         )
+
+    @staticmethod
+    def _purge_expired(meta: StateMeta, table: Table, now: int) -> None:
+        assert meta.ttl is not None
+        is_list, is_map, ttl = meta.kind is StateKind.LIST, meta.kind in MAP_LIKE, meta.ttl.ttl_ms
+        for m in table.values():
+            for key in list(m):
+                kept = alive(m[key], is_list, is_map, ttl, now)
+                if kept is None:
+                    del m[key]
+                else:
+                    m[key] = kept
 
     def load_entries(
         self,
@@ -328,10 +351,10 @@ class HeapKeyedStateBackend:
         values: Sequence[Any],
         only: KeyGroupRange | None = None,
     ) -> None:
-        """Bulk-insert entries (restore from a materialized table).
+        """Bulk-insert raw entries (restore from a materialized table).
 
-        ``values`` are values (value state), lists (list state) or dicts (map state).
-        Entries outside ``only`` (default: this backend's key-group range) are skipped.
+        ``values`` are values (value-like state), lists (list state) or dicts (map and
+        timer state). Entries outside ``only`` (default: this backend's range) are skipped.
         """
         table = self._register(meta)
         rng = only if only is not None else self.key_group_range
@@ -339,6 +362,62 @@ class HeapKeyedStateBackend:
             if kg in rng:
                 table.setdefault(kg, {})[key] = value
 
+    def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:
+        """``(key_group, key, raw value)`` of state ``name`` (a copy of the key list)."""
+        table = self._tables.get(name, {})
+        for kg in sorted(table):
+            yield from ((kg, k, v) for k, v in list(table[kg].items()))
+
     def entry_count(self) -> int:
         """How many (state, key) entries exist: a cheap size measure."""
         return sum(len(m) for table in self._tables.values() for m in table.values())
+
+    # -- the batch path ---------------------------------------------------------------
+    def apply_batch(
+        self, descriptor: StateDescriptor, keys: Any, values: Any, user_keys: Any = None
+    ) -> None:
+        """Set values (value state), append elements (list) or put entries (map) for many
+        keys at once; all keys are checked before anything is applied."""
+        self.get_state(descriptor)
+        meta, batch = prepare_batch(
+            descriptor,
+            self.key_serializer,
+            self.key_group_range,
+            self.max_parallelism,
+            self.clock(),
+            keys,
+            values,
+            user_keys,
+        )
+        self.apply_prepared(meta, batch)
+
+    def apply_prepared(self, meta: StateMeta, batch: PreparedBatch) -> None:
+        """Apply a prepared batch to the dicts (no serialization)."""
+        table = self._register(meta)
+        kgs = batch.key_groups
+        for kg in set(kgs):
+            if kg not in table:
+                table[kg] = {}
+        if batch.op is Op.VALUE_SET:
+            for kg, k, v in zip(kgs, batch.keys, batch.values, strict=True):
+                table[kg][k] = v
+        elif batch.op is Op.LIST_ADD:
+            for kg, k, v in zip(kgs, batch.keys, batch.values, strict=True):
+                m = table[kg]
+                lst = m.get(k)
+                if lst is None:
+                    m[k] = [v]
+                else:
+                    lst.append(v)
+        else:
+            assert batch.user_keys is not None
+            for kg, k, uk, v in zip(kgs, batch.keys, batch.user_keys, batch.values, strict=True):
+                m = table[kg]
+                d = m.get(k)
+                if d is None:
+                    m[k] = {uk: v}
+                else:
+                    d[uk] = v
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -25,8 +25,17 @@ def _fmix32(h: int) -> int:
 
 
 def key_group_for(key_bytes: bytes, max_parallelism: int) -> int:
-    """The key group of a serialized key: stable across processes and versions."""
-    return _fmix32(zlib.crc32(key_bytes)) % max_parallelism
+    """The key group of a serialized key: stable across processes and versions.
+
+    ``_fmix32(crc32(key_bytes)) % max_parallelism``, inlined (this runs per record).
+    """
+    h = zlib.crc32(key_bytes)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h % max_parallelism
 
 
 @dataclass(frozen=True, slots=True)

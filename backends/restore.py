@@ -8,22 +8,30 @@ file raises before the backend is touched (then it is discarded by the caller an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 
+from backends.backend import KeyedStateBackend
 from backends.changelog import ChangelogKeyedStateBackend
 from backends.handles import KeyedStateHandle, MaterializationHandle
-from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
-from backends.serializers import Serializer, serializer_for, unpack_list
-from backends.state import Op, StateKind, StateMeta
+from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
+from backends.serializers import Serializer, unpack_list
+from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import parquet_to_table, table_entries, table_meta
+from backends.wrappers import alive
 from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
+
+Decoded = list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]]
 
 
 def relevant(
@@ -33,32 +41,132 @@ def relevant(
     return [h for h in handles if h.key_group_range.intersects(key_groups)]
 
 
+def _check_key_serializer(backend: KeyedStateBackend, name: str, what: str) -> None:
+    if name != backend.key_serializer.name:
+        raise SchemaMismatchError(
+            f"{what} was written with key serializer {name!r}, "
+            f"the backend declares {backend.key_serializer.name!r}"
+        )
+
+
+def _decode_heap_parquet(
+    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, _rng: KeyGroupRange
+) -> Decoded:
+    decoded: Decoded = []
+    for f in handle.state_files:
+        table = parquet_to_table(fileio.read(fileio.relative(f.location)), f.location)
+        meta, key_ser = table_meta(table, f.location)
+        _check_key_serializer(backend, key_ser.name, f"state {meta.name!r}")
+        decoded.append((meta, table_entries(meta, key_ser, table)))
+    return decoded
+
+
+_ROCKSDB_FILE = re.compile(
+    r"^(\d+\.(sst|log|blob)|MANIFEST-\d+|CURRENT|OPTIONS-\d+|IDENTITY|[A-Za-z0-9_.-]+\.json)$"
+)
+
+
+def _file_name(location: str, name: str) -> str:
+    """The RocksDB file name of a state file (its handle's name, else its basename)."""
+    found = name or location.rstrip("/").rsplit("/", 1)[-1]
+    if not _ROCKSDB_FILE.match(found):
+        raise CorruptionError(
+            f"state file {found!r} is not a RocksDB file name (the handle must record "
+            "the snapshot file name in StateFileHandle.name)",
+            location,
+        )
+    return found
+
+
+def _decode_rocksdb_sst(
+    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, rng: KeyGroupRange
+) -> Decoded:
+    """Download the files, open them as a temporary RocksDB, scan ``rng`` once."""
+    tmp = tempfile.mkdtemp(prefix="rocksdb-restore-")
+    try:
+        db_dir = os.path.join(tmp, "db")
+        os.makedirs(db_dir)
+        metadata: bytes | None = None
+        for f in handle.state_files:
+            data = fileio.read(fileio.relative(f.location))
+            name = _file_name(f.location, f.name)
+            if name == META_FILE:
+                metadata = data
+            else:
+                with open(os.path.join(db_dir, name), "wb") as fh:
+                    fh.write(data)
+        if metadata is None:
+            raise CorruptionError(
+                f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
+                handle.state_files[0].location if handle.state_files else None,
+            )
+        key_ser, _max_par, states = decode_metadata(metadata, handle.writer_id)
+        _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
+        rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in states}
+        db = open_raw_db(db_dir)
+        try:
+            lo = rng.start.to_bytes(2, "big")
+            hi = rng.end.to_bytes(2, "big") if rng.end < 1 << 16 else b"\xff\xff\xff"
+            for k, v in iter_rows(db, lo, hi):
+                sid = (k[2] << 8) | k[3]
+                bucket = rows.get(sid)
+                if bucket is None:
+                    raise CorruptionError(f"row of unknown state id {sid}", handle.writer_id)
+                bucket.append((k, v))
+        finally:
+            db.close()
+        return [
+            (meta, decode_state_rows(meta, backend.key_serializer, rows[sid]))
+            for sid, meta in sorted(states.items())
+        ]
+    except OSError as exc:
+        raise CorruptionError(f"cannot unpack RocksDB files ({exc})", handle.writer_id) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_DECODERS: dict[
+    str,
+    Callable[[KeyedStateBackend, FileIO, MaterializationHandle, KeyGroupRange], Decoded],
+] = {"heap-parquet": _decode_heap_parquet, "rocksdb-sst": _decode_rocksdb_sst}
+
+
 def _load_materialization(
-    backend: HeapKeyedStateBackend,
+    backend: KeyedStateBackend,
     fileio: FileIO,
     handle: MaterializationHandle,
     key_groups: KeyGroupRange,
 ) -> None:
-    if handle.kind != "heap-parquet":
+    decoder = _DECODERS.get(handle.kind)
+    if decoder is None:
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
-    decoded: list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]] = []
-    for f in handle.state_files:
-        table = parquet_to_table(fileio.read(fileio.relative(f.location)), f.location)
-        meta, key_ser = table_meta(table, f.location)
-        if key_ser.name != backend.key_serializer.name:
-            raise SchemaMismatchError(
-                f"state {meta.name!r} was written with key serializer {key_ser.name!r}, "
-                f"the backend declares {backend.key_serializer.name!r}"
-            )
-        decoded.append((meta, table_entries(meta, key_ser, table)))
+    decoded = decoder(backend, fileio, handle, key_groups)
+    now = backend.clock()
     for meta, (kgs, keys, values) in decoded:
+        known = backend.state_metas().get(meta.name)
+        if known is not None:
+            known.check_compatible(meta)
+        if meta.ttl is not None:  # expired entries are not restored
+            kept = [
+                (
+                    kg,
+                    k,
+                    alive(
+                        v, meta.kind is StateKind.LIST, meta.kind in MAP_LIKE, meta.ttl.ttl_ms, now
+                    ),
+                )
+                for kg, k, v in zip(kgs, keys, values, strict=True)
+            ]
+            kept = [e for e in kept if e[2] is not None]
+            kgs, keys, values = [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept]
         backend.load_entries(meta, kgs, keys, values, key_groups)
 
 
-def _replay_table(backend: HeapKeyedStateBackend, table: pa.Table, location: str) -> None:
-    states: dict[str, tuple[StateMeta, Any]] = {}
+def _replay_table(backend: KeyedStateBackend, table: pa.Table, location: str) -> None:
+    states: dict[str, tuple[StateMeta, Any, Serializer, Serializer | None]] = {}
     key_ser: Serializer = backend.key_serializer
     cols = [table[c].to_pylist() for c in ("key_group", "state", "op", "key", "user_key", "value")]
+    last_key: bytes | None = None
     for kg, name, op, key, user_key, value in zip(*cols, strict=True):
         if op == Op.META:
             meta = StateMeta.from_json(value)
@@ -73,37 +181,52 @@ def _replay_table(backend: HeapKeyedStateBackend, table: pa.Table, location: str
             meta_opt = backend.state_metas().get(name)
             if meta_opt is None:
                 raise CorruptionError(f"change of undeclared state {name!r}", location)
-            entry = states[name] = (meta_opt, backend.internal_state(meta_opt))
-        meta, state = entry
-        backend.set_current_key_raw(key_ser.deserialize(key), key, kg)
-        vser = serializer_for(meta.value_serializer)
-        if op == Op.VALUE_SET:
-            state.update(vser.deserialize(value))
-        elif op == Op.CLEAR:
-            state.clear()
-        elif op == Op.LIST_ADD:
-            state.add(vser.deserialize(value))
-        elif op == Op.LIST_SET:
-            state.update([vser.deserialize(v) for v in unpack_list(value)])
-        elif op == Op.MAP_PUT and meta.kind is StateKind.MAP:
-            assert meta.user_key_serializer is not None
-            state.put(
-                serializer_for(meta.user_key_serializer).deserialize(user_key),
-                vser.deserialize(value),
+            uks = meta_opt.user_key_ser() if meta_opt.kind in MAP_LIKE else None
+            entry = states[name] = (
+                meta_opt,
+                backend.internal_state(meta_opt),
+                meta_opt.raw_value_ser(),
+                uks,
             )
-        elif op == Op.MAP_REMOVE and meta.kind is StateKind.MAP:
-            assert meta.user_key_serializer is not None
-            state.remove(serializer_for(meta.user_key_serializer).deserialize(user_key))
+        meta, state, vser, uks = entry
+        if key != last_key or kg != backend.current_key_group:
+            backend.set_current_key_raw(key_ser.deserialize(key), key, kg)
+            last_key = key
+        kind = meta.kind
+        if op == Op.CLEAR:
+            state.clear()
+        elif (op == Op.VALUE_SET and kind is StateKind.VALUE) or (
+            op == Op.ACC_SET and kind in (StateKind.REDUCING, StateKind.AGGREGATING)
+        ):
+            state.update(vser.deserialize(value))
+        elif op == Op.LIST_ADD and kind is StateKind.LIST:
+            state.add(vser.deserialize(value))
+        elif op == Op.LIST_SET and kind is StateKind.LIST:
+            state.update([vser.deserialize(v) for v in unpack_list(value)])
+        elif uks is not None and (
+            (op == Op.MAP_PUT and kind is StateKind.MAP)
+            or (op == Op.TIMER_REGISTER and kind is StateKind.TIMER)
+        ):
+            state.put(uks.deserialize(user_key), vser.deserialize(value))
+        elif uks is not None and (
+            (op == Op.MAP_REMOVE and kind is StateKind.MAP)
+            or (op == Op.TIMER_DELETE and kind is StateKind.TIMER)
+        ):
+            state.remove(uks.deserialize(user_key))
         else:
             raise CorruptionError(
-                f"unknown change op {op} for {meta.kind.value} state {name!r}", location
+                f"unknown change op {op} for {kind.value} state {name!r}", location
             )
 
 
 def restore_into(
-    backend: HeapKeyedStateBackend, fileio: FileIO, handles: Sequence[KeyedStateHandle]
+    backend: KeyedStateBackend, fileio: FileIO, handles: Sequence[KeyedStateHandle]
 ) -> None:
-    """Load ``handles`` into an empty ``backend`` (no changelog is written)."""
+    """Load ``handles`` into an empty ``backend`` (heap or RocksDB; no changelog written).
+
+    Materializations of either kind (``heap-parquet``, ``rocksdb-sst``) load into either
+    store, filtered to the backend's key groups (so any p -> q rescale works).
+    """
     for h in handles:
         if (
             h.key_serializer != backend.key_serializer.name

@@ -135,15 +135,173 @@ STR: Serializer = StrSerializer()
 BYTES: Serializer = BytesSerializer()
 PICKLE: Serializer = PickleSerializer()
 
+_FIXED = {"int64": "q", "float64": "d", "bool": "?"}
+_LEN4 = struct.Struct("<I")
+
+
+class TupleSerializer(_Typed):
+    """Fixed-arity tuples of other serializers' values: ``tuple<int64,str>``.
+
+    Bytes: all-fixed-width tuples are one ``struct`` (fast path); otherwise each element
+    is written in order, variable-width ones with a 4-byte length prefix. Arrow: a struct
+    column with fields ``f0, f1, ...`` typed by the elements, so Spark sees typed fields.
+    Stateless and thread-safe; the name round-trips through :func:`serializer_for`.
+    """
+
+    def __init__(self, elements: Sequence[Serializer]) -> None:
+        if not elements:
+            raise ConfigError("a tuple serializer needs at least one element")
+        self.elements = tuple(elements)
+        self.name = "tuple<" + ",".join(e.name for e in self.elements) + ">"
+        self.arrow_type = pa.struct(
+            [pa.field(f"f{i}", e.arrow_type) for i, e in enumerate(self.elements)]
+        )
+        if all(e.name in _FIXED for e in self.elements):
+            fixed = struct.Struct("<" + "".join(_FIXED[e.name] for e in self.elements))
+            self._fixed: struct.Struct | None = fixed
+        else:
+            self._fixed = None
+
+    def serialize(self, value: Any) -> bytes:
+        fixed = self._fixed
+        if fixed is not None:
+            return fixed.pack(*value)
+        if len(value) != len(self.elements):
+            raise ConfigError(f"{self.name}: expected {len(self.elements)} fields, got {value!r}")
+        out = bytearray()
+        for e, v in zip(self.elements, value, strict=True):
+            data = e.serialize(v)
+            if e.name not in _FIXED:
+                out += _LEN4.pack(len(data))
+            out += data
+        return bytes(out)
+
+    def deserialize(self, data: bytes) -> Any:
+        fixed = self._fixed
+        try:
+            if fixed is not None:
+                return fixed.unpack(data)
+            out = []
+            pos = 0
+            for e in self.elements:
+                code = _FIXED.get(e.name)
+                if code is not None:
+                    n = struct.calcsize("<" + code)
+                else:
+                    (n,) = _LEN4.unpack_from(data, pos)
+                    pos += 4
+                if pos + n > len(data):
+                    raise CorruptionError(f"{self.name}: truncated value")
+                out.append(e.deserialize(data[pos : pos + n]))
+                pos += n
+            if pos != len(data):
+                raise CorruptionError(f"{self.name}: {len(data) - pos} trailing bytes")
+            return tuple(out)
+        except struct.error as exc:
+            raise CorruptionError(f"{self.name}: cannot decode {len(data)} bytes") from exc
+
+    def to_arrow(self, values: Sequence[Any]) -> pa.Array:
+        columns = [e.to_arrow([v[i] for v in values]) for i, e in enumerate(self.elements)]
+        return pa.StructArray.from_arrays(columns, fields=list(self.arrow_type))
+
+    def from_arrow(self, column: pa.Array | pa.ChunkedArray) -> list[Any]:
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        fields = [e.from_arrow(column.field(i)) for i, e in enumerate(self.elements)]
+        return list(zip(*fields, strict=True)) if fields else []
+
+
+class TtlSerializer(_Typed):
+    """The stored form of a value of a state with TTL: ``(timestamp_ms, value)``.
+
+    Bytes: the 8-byte big-endian timestamp, then the value's bytes. Arrow: a struct
+    ``<ts int64, value T>``. Internal to backends (the state's recorded serializer stays
+    the user's); stateless and thread-safe.
+    """
+
+    _TS = struct.Struct(">q")
+
+    def __init__(self, inner: Serializer) -> None:
+        self.inner = inner
+        self.name = f"ttl<{inner.name}>"
+        self.arrow_type = pa.struct(
+            [pa.field("ts", pa.int64()), pa.field("value", inner.arrow_type)]
+        )
+
+    def serialize(self, value: Any) -> bytes:
+        return self._TS.pack(value[0]) + self.inner.serialize(value[1])
+
+    def deserialize(self, data: bytes) -> Any:
+        if len(data) < 8:
+            raise CorruptionError(f"{self.name}: truncated value")
+        return (self._TS.unpack_from(data)[0], self.inner.deserialize(data[8:]))
+
+    def to_arrow(self, values: Sequence[Any]) -> pa.Array:
+        return pa.StructArray.from_arrays(
+            [
+                pa.array([v[0] for v in values], pa.int64()),
+                self.inner.to_arrow([v[1] for v in values]),
+            ],
+            fields=list(self.arrow_type),
+        )
+
+    def from_arrow(self, column: pa.Array | pa.ChunkedArray) -> list[Any]:
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        ts = column.field(0).to_pylist()
+        return list(zip(ts, self.inner.from_arrow(column.field(1)), strict=True))
+
+
 _BY_NAME: dict[str, Serializer] = {s.name: s for s in (INT64, FLOAT64, BOOL, STR, BYTES, PICKLE)}
 
 
+def _split_top_level(inner: str) -> list[str]:
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(inner):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    return parts
+
+
 def serializer_for(name: str) -> Serializer:
-    """The serializer recorded as ``name`` (what a restore needs)."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise ConfigError(f"unknown serializer {name!r}; known: {sorted(_BY_NAME)}") from None
+    """The serializer recorded as ``name`` (what a restore needs).
+
+    Every built-in name round-trips, including composite ones (``tuple<int64,str>``,
+    nested tuples, ``ttl<...>``). Composite serializers are built once and cached.
+    """
+    found = _BY_NAME.get(name)
+    if found is not None:
+        return found
+    for prefix in ("tuple<", "ttl<"):
+        if name.startswith(prefix) and name.endswith(">"):
+            parts = _split_top_level(name[len(prefix) : -1])
+            if prefix == "tuple<":
+                made: Serializer = TupleSerializer([serializer_for(p) for p in parts])
+            elif len(parts) == 1:
+                made = TtlSerializer(serializer_for(parts[0]))
+            else:
+                break
+            _BY_NAME[made.name] = made
+            return made
+    raise ConfigError(f"unknown serializer {name!r}; known: {sorted(_BY_NAME)}") from None
+
+
+def tuple_of(*elements: Serializer) -> Serializer:
+    """The serializer of tuples of ``elements`` (e.g. ``tuple_of(STR, INT64)``)."""
+    return serializer_for("tuple<" + ",".join(e.name for e in elements) + ">")
+
+
+def ttl_of(inner: Serializer) -> Serializer:
+    """The stored-form serializer of a TTL state whose values use ``inner``."""
+    return serializer_for(f"ttl<{inner.name}>")
 
 
 def register_serializer(serializer: Serializer) -> None:

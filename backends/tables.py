@@ -2,9 +2,12 @@
 
 Columns (Spark reads them as typed columns; pickled values are binary):
 
-- value state: ``key_group int32, key <key type>, value <value type>``
+- value, reducing, aggregating state: ``key_group int32, key <key type>, value <value type>``
 - list state:  ``key_group int32, key <key type>, value list<value type>``
-- map state:   ``key_group int32, key <key type>, user_key <type>, value <type>`` (a row per entry)
+- map and timer state: ``key_group int32, key <key type>, user_key <type>, value <type>``
+  (a row per entry; timers: user_key = timestamp)
+
+With TTL, ``<value type>`` is ``struct<ts int64, value T>`` (the last-access timestamp).
 
 The schema metadata ``state.meta`` holds the :class:`~backends.state.StateMeta` JSON and
 ``state.key`` the key serializer's name, so a table is self-describing.
@@ -21,7 +24,7 @@ import pyarrow.parquet as pq
 
 from backends.heap import StateSnapshot, Table
 from backends.serializers import Serializer, serializer_for
-from backends.state import StateKind, StateMeta
+from backends.state import MAP_LIKE, StateKind, StateMeta
 from dstl.errors import CorruptionError
 
 META_KEY = b"state.meta"
@@ -30,18 +33,17 @@ KEY_SERIALIZER_KEY = b"state.key"
 
 def schema_for(meta: StateMeta, key_serializer: Serializer) -> pa.Schema:
     """The Arrow schema of ``meta``'s table."""
-    value = serializer_for(meta.value_serializer)
+    value = meta.raw_value_ser()
     fields = [
         pa.field("key_group", pa.int32(), nullable=False),
         pa.field("key", key_serializer.arrow_type),
     ]
-    if meta.kind is StateKind.VALUE:
-        fields.append(pa.field("value", value.arrow_type))
-    elif meta.kind is StateKind.LIST:
+    if meta.kind is StateKind.LIST:
         fields.append(pa.field("value", pa.list_(value.arrow_type)))
+    elif meta.kind in MAP_LIKE:
+        fields.append(pa.field("user_key", meta.user_key_ser().arrow_type))
+        fields.append(pa.field("value", value.arrow_type))
     else:
-        assert meta.user_key_serializer is not None
-        fields.append(pa.field("user_key", serializer_for(meta.user_key_serializer).arrow_type))
         fields.append(pa.field("value", value.arrow_type))
     return pa.schema(
         fields,
@@ -52,8 +54,8 @@ def schema_for(meta: StateMeta, key_serializer: Serializer) -> pa.Schema:
 def table_for(
     meta: StateMeta, key_serializer: Serializer, table: Table, key_groups: range | None = None
 ) -> pa.Table:
-    """The Arrow table of one state's entries (optionally only some key groups)."""
-    value = serializer_for(meta.value_serializer)
+    """The Arrow table of one state's raw entries (optionally only some key groups)."""
+    value = meta.raw_value_ser()
     kgs: list[int] = []
     keys: list[Any] = []
     values: list[Any] = []
@@ -61,7 +63,7 @@ def table_for(
     groups = sorted(table) if key_groups is None else [kg for kg in key_groups if kg in table]
     for kg in groups:
         entries = table[kg]
-        if meta.kind is StateKind.MAP:
+        if meta.kind in MAP_LIKE:
             for key, mapping in entries.items():
                 for uk, v in mapping.items():
                     kgs.append(kg)
@@ -82,9 +84,8 @@ def table_for(
         columns.append(
             pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), value.to_arrow(flat))
         )
-    elif meta.kind is StateKind.MAP:
-        assert meta.user_key_serializer is not None
-        columns.append(serializer_for(meta.user_key_serializer).to_arrow(user_keys))
+    elif meta.kind in MAP_LIKE:
+        columns.append(meta.user_key_ser().to_arrow(user_keys))
         columns.append(value.to_arrow(values))
     else:
         columns.append(value.to_arrow(values))
@@ -126,16 +127,15 @@ def table_entries(
     """(key groups, keys, values) of a table; map rows are folded into one dict per key."""
     kgs: list[int] = table["key_group"].to_pylist()
     keys = key_serializer.from_arrow(table["key"])
-    value = serializer_for(meta.value_serializer)
-    if meta.kind is StateKind.VALUE:
+    value = meta.raw_value_ser()
+    if meta.kind not in MAP_LIKE and meta.kind is not StateKind.LIST:
         return kgs, keys, value.from_arrow(table["value"])
     if meta.kind is StateKind.LIST:
         col = table["value"].combine_chunks()
         flat = value.from_arrow(col.flatten())
         offsets = col.offsets.to_pylist()
         return kgs, keys, [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-    assert meta.user_key_serializer is not None
-    user_keys = serializer_for(meta.user_key_serializer).from_arrow(table["user_key"])
+    user_keys = meta.user_key_ser().from_arrow(table["user_key"])
     values = value.from_arrow(table["value"])
     folded: dict[tuple[int, Any], dict[Any, Any]] = {}
     for kg, key, uk, v in zip(kgs, keys, user_keys, values, strict=True):

@@ -1,0 +1,627 @@
+"""The RocksDB keyed-state store, through ``rocksdict`` in raw mode (bytes in, bytes out).
+
+Row keys (all big-endian, so a key-group range is one contiguous range scan)::
+
+    key_group:u16 | state_id:u16 | len(key):u32 | key bytes [| user key bytes]
+
+Value-like states (value, reducing, aggregating) hold the raw value's bytes; list state
+one row per key with length-prefixed elements (:func:`~backends.serializers.pack_list`);
+map and timer state one row per entry. With TTL, values are ``ts:i64 BE | value``
+(:class:`~backends.serializers.TtlSerializer`). State ids are local to one database and
+recorded, with every state's metadata, in the snapshot's ``STATE-META.json``.
+
+The WAL is off: the DSTL (changelog) is what makes changes durable. A snapshot is a
+RocksDB checkpoint (hard links, flushed memtable) in a fresh directory next to the
+database; its files are the SSTs (named as RocksDB names them, stable across snapshots)
+plus the few small files needed to open them as a database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import rocksdict
+
+from backends.backend import wall_clock_ms
+from backends.batch import PreparedBatch, prepare_batch
+from backends.errors import KeyGroupOutOfRangeError, LocalStoreError
+from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
+from backends.serializers import Serializer, pack_list, unpack_list
+from backends.snapshot import SnapshotFile
+from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
+from backends.wrappers import alive, wrap
+from dstl.errors import CorruptionError
+
+KIND = "rocksdb-sst"
+META_FILE = "STATE-META.json"
+META_VERSION = 1
+_LEN = struct.Struct(">I")
+_LEN_LE = struct.Struct("<I")
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest byte string greater than every string starting with ``prefix``."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    if not p:
+        return b"\xff" * (len(prefix) + 1)
+    p[-1] += 1
+    return bytes(p)
+
+
+def _options() -> rocksdict.Options:
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    return opts
+
+
+def open_raw_db(path: str) -> rocksdict.Rdict:
+    """Open (or create) a raw-mode database with the WAL off for writes."""
+    try:
+        db = rocksdict.Rdict(path, _options())
+    except Exception as exc:  # rocksdict raises plain Exception subclasses
+        raise LocalStoreError(f"cannot open RocksDB at {path} ({exc})") from exc
+    wo: Any = rocksdict.WriteOptions()
+    wo.disable_wal = True  # a property in rocksdict 0.3.29, not a method
+    db.set_write_options(wo)
+    return db
+
+
+def iter_rows(db: Any, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Rows with ``lo <= key < hi`` in key order (``from_key``: see ENVIRONMENT.md)."""
+    for k, v in db.items(from_key=lo):
+        if k >= hi:
+            return
+        yield k, v
+
+
+def decode_state_rows(
+    meta: StateMeta, key_ser: Serializer, rows: Iterable[tuple[bytes, bytes]]
+) -> tuple[list[int], list[Any], list[Any]]:
+    """(key groups, keys, raw values) of one state's rows, in key order."""
+    vser = meta.raw_value_ser()
+    kgs: list[int] = []
+    keys: list[Any] = []
+    values: list[Any] = []
+    kind = meta.kind
+    uks = meta.user_key_ser() if kind in MAP_LIKE else None
+    last_kb: bytes | None = None
+    last_kg = -1
+    for k, v in rows:
+        kg = (k[0] << 8) | k[1]
+        (klen,) = _LEN.unpack_from(k, 4)
+        kb = k[8 : 8 + klen]
+        if uks is not None:
+            if kb != last_kb or kg != last_kg:
+                kgs.append(kg)
+                keys.append(key_ser.deserialize(kb))
+                values.append({})
+                last_kb, last_kg = kb, kg
+            values[-1][uks.deserialize(k[8 + klen :])] = vser.deserialize(v)
+            continue
+        kgs.append(kg)
+        keys.append(key_ser.deserialize(kb))
+        if kind is StateKind.LIST:
+            values.append([vser.deserialize(e) for e in unpack_list(v)])
+        else:
+            values.append(vser.deserialize(v))
+    return kgs, keys, values
+
+
+class _RocksValueState:
+    """Raw value-like state (value, reducing, aggregating). Task thread only."""
+
+    __slots__ = ("_b", "_db", "_ser", "_sid")
+
+    def __init__(self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer) -> None:
+        self._b = backend
+        self._db = backend._db
+        self._sid = sid
+        self._ser = ser
+
+    def value(self) -> Any:
+        b = self._b
+        data = self._db.get(b._kgb + self._sid + b._kpart)
+        return None if data is None else self._ser.deserialize(data)
+
+    def update(self, value: Any) -> None:
+        b = self._b
+        self._db.put(b._kgb + self._sid + b._kpart, self._ser.serialize(value))
+
+    def update_serialized(self, data: bytes) -> None:
+        """Store already serialized bytes (the changelog wrapper serializes once)."""
+        b = self._b
+        self._db.put(b._kgb + self._sid + b._kpart, data)
+
+    def clear(self) -> None:
+        b = self._b
+        self._db.delete(b._kgb + self._sid + b._kpart)
+
+
+class _RocksListState:
+    """Raw list state: one row of length-prefixed elements per key. Task thread only."""
+
+    __slots__ = ("_b", "_db", "_ser", "_sid")
+
+    def __init__(self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer) -> None:
+        self._b = backend
+        self._db = backend._db
+        self._sid = sid
+        self._ser = ser
+
+    def get(self) -> list[Any]:
+        b = self._b
+        data = self._db.get(b._kgb + self._sid + b._kpart)
+        if not data:
+            return []
+        de = self._ser.deserialize
+        return [de(e) for e in unpack_list(data)]
+
+    def add(self, value: Any) -> None:
+        self.add_serialized(self._ser.serialize(value))
+
+    def add_serialized(self, element: bytes) -> None:
+        """Append one already serialized element."""
+        b = self._b
+        row = b._kgb + self._sid + b._kpart
+        db = self._db
+        data = db.get(row)
+        frame = _LEN_LE.pack(len(element)) + element
+        db.put(row, frame if data is None else data + frame)
+
+    def update(self, values: Iterable[Any]) -> None:
+        ser = self._ser.serialize
+        items = [ser(v) for v in values]
+        b = self._b
+        row = b._kgb + self._sid + b._kpart
+        if items:
+            self._db.put(row, pack_list(items))
+        else:
+            self._db.delete(row)
+
+    def clear(self) -> None:
+        b = self._b
+        self._db.delete(b._kgb + self._sid + b._kpart)
+
+
+class _RocksMapState:
+    """Raw map (and timer) state: one row per entry. Task thread only."""
+
+    __slots__ = ("_b", "_db", "_sid", "_uk", "_v")
+
+    def __init__(
+        self, backend: RocksDBKeyedStateBackend, sid: bytes, uk: Serializer, v: Serializer
+    ) -> None:
+        self._b = backend
+        self._db = backend._db
+        self._sid = sid
+        self._uk = uk
+        self._v = v
+
+    def get(self, user_key: Any) -> Any:
+        b = self._b
+        data = self._db.get(b._kgb + self._sid + b._kpart + self._uk.serialize(user_key))
+        return None if data is None else self._v.deserialize(data)
+
+    def put(self, user_key: Any, value: Any) -> None:
+        b = self._b
+        self._db.put(
+            b._kgb + self._sid + b._kpart + self._uk.serialize(user_key), self._v.serialize(value)
+        )
+
+    def put_serialized(self, user_key: bytes, value: bytes) -> None:
+        """Store an entry whose user key and value are already serialized."""
+        b = self._b
+        self._db.put(b._kgb + self._sid + b._kpart + user_key, value)
+
+    def remove(self, user_key: Any) -> None:
+        b = self._b
+        self._db.delete(b._kgb + self._sid + b._kpart + self._uk.serialize(user_key))
+
+    def contains(self, user_key: Any) -> bool:
+        b = self._b
+        return (
+            self._db.get(b._kgb + self._sid + b._kpart + self._uk.serialize(user_key)) is not None
+        )
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        b = self._b
+        prefix = b._kgb + self._sid + b._kpart
+        n = len(prefix)
+        uk, v = self._uk.deserialize, self._v.deserialize
+        out = [(uk(k[n:]), v(d)) for k, d in iter_rows(self._db, prefix, _prefix_end(prefix))]
+        return iter(out)
+
+    def clear(self) -> None:
+        b = self._b
+        prefix = b._kgb + self._sid + b._kpart
+        self._db.delete_range(prefix, _prefix_end(prefix))
+
+
+@dataclass(slots=True)
+class RocksDBSnapshot:
+    """A hard-linked RocksDB checkpoint in a private temp dir; kind ``rocksdb-sst``.
+
+    Implements :class:`~backends.snapshot.MaterializationSnapshot`. Immutable once taken;
+    ``files``/``release`` may run on the upload thread. ``metadata`` is the content of
+    ``STATE-META.json`` (byte-identical while the states do not change).
+    """
+
+    sqn: int | None
+    key_group_range: KeyGroupRange
+    directory: str
+    checkpoint_dir: str
+    metadata: bytes
+    released: bool = field(default=False)
+
+    @property
+    def kind(self) -> str:
+        """The table format: RocksDB SST files plus ``STATE-META.json``."""
+        return KIND
+
+    def files(self) -> Iterator[SnapshotFile]:
+        """``STATE-META.json`` (in memory) then every file of the checkpoint, by name."""
+        rng = self.key_group_range
+        yield SnapshotFile(META_FILE, None, rng.start, rng.end, 0, data=self.metadata)
+        for name in sorted(os.listdir(self.checkpoint_dir)):
+            path = os.path.join(self.checkpoint_dir, name)
+            if os.path.isfile(path):
+                yield SnapshotFile(name, None, rng.start, rng.end, 0, local_path=path)
+
+    def release(self) -> None:
+        """Delete the checkpoint directory (idempotent)."""
+        if not self.released:
+            self.released = True
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def encode_metadata(
+    key_serializer: str,
+    key_group_range: KeyGroupRange,
+    max_parallelism: int,
+    metas: dict[str, StateMeta],
+    ids: dict[str, int],
+) -> bytes:
+    """The ``STATE-META.json`` bytes (sorted keys: content-stable)."""
+    return json.dumps(
+        {
+            "version": META_VERSION,
+            "key_serializer": key_serializer,
+            "key_group_start": key_group_range.start,
+            "key_group_end": key_group_range.end,
+            "max_parallelism": max_parallelism,
+            "states": [{"id": ids[name], "meta": metas[name].to_dict()} for name in sorted(metas)],
+        },
+        sort_keys=True,
+    ).encode()
+
+
+def decode_metadata(data: bytes, location: str) -> tuple[str, int, dict[int, StateMeta]]:
+    """(key serializer name, max parallelism, state id -> meta) of ``STATE-META.json``."""
+    try:
+        raw = json.loads(data)
+        if raw.get("version") != META_VERSION:
+            raise CorruptionError(f"unsupported {META_FILE} version {raw.get('version')}", location)
+        states = {int(s["id"]): StateMeta.from_dict(s["meta"]) for s in raw["states"]}
+        return str(raw["key_serializer"]), int(raw["max_parallelism"]), states
+    except CorruptionError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptionError(f"invalid {META_FILE} ({exc})", location) from exc
+
+
+class RocksDBKeyedStateBackend:
+    """Keyed state in a local RocksDB (rocksdict, raw mode, WAL off).
+
+    ``RocksDBKeyedStateBackend(key_serializer, key_group_range, max_parallelism=128,
+    path=None, clock=wall_clock_ms)``: ``path`` is a directory for the database and its
+    snapshots; by default a fresh temp directory that :meth:`close` deletes. Use it as a
+    context manager or call :meth:`close`. Task thread only (snapshots it returns are
+    immutable and may be read on any thread). Same API and invariants as
+    :class:`~backends.heap.HeapKeyedStateBackend`.
+    """
+
+    def __init__(
+        self,
+        key_serializer: Serializer,
+        key_group_range: KeyGroupRange,
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+        path: str | None = None,
+        clock: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        if not 0 < max_parallelism <= 1 << 16:
+            raise ValueError(f"max parallelism {max_parallelism} must be in [1, 65536]")
+        self.key_serializer = key_serializer
+        self.key_group_range = key_group_range
+        self.max_parallelism = max_parallelism
+        self.clock = clock
+        self._owns_dir = path is None
+        self.path = path if path is not None else tempfile.mkdtemp(prefix="rocksdb-state-")
+        os.makedirs(self.path, exist_ok=True)
+        db_dir = os.path.join(self.path, "db")
+        if os.path.exists(db_dir):
+            raise LocalStoreError(f"{db_dir} exists: a RocksDB backend needs a fresh directory")
+        self._db = open_raw_db(db_dir)
+        self._kg_bytes = [kg.to_bytes(2, "big") for kg in range(max_parallelism)]
+        self.current_key: Any = None
+        self.current_key_bytes = b""
+        self.current_key_group = -1
+        self._kgb = b""
+        self._kpart = b""
+        self._metas: dict[str, StateMeta] = {}
+        self._ids: dict[str, int] = {}
+        self._raw: dict[str, Any] = {}
+        self._states: dict[str, Any] = {}
+        self._closed = False
+
+    def __enter__(self) -> RocksDBKeyedStateBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- keys -------------------------------------------------------------------------
+    def set_current_key(self, key: Any) -> None:
+        """Make ``key`` the key every state call acts on."""
+        key_bytes = self.key_serializer.serialize(key)
+        kg = key_group_for(key_bytes, self.max_parallelism)
+        rng = self.key_group_range
+        if not rng.start <= kg < rng.end:
+            raise KeyGroupOutOfRangeError(
+                f"key {key!r} is in key group {kg}, outside this backend's "
+                f"[{self.key_group_range.start}, {self.key_group_range.end})"
+            )
+        self.current_key = key
+        self.current_key_bytes = key_bytes
+        self.current_key_group = kg
+        self._kgb = self._kg_bytes[kg]
+        self._kpart = _LEN.pack(len(key_bytes)) + key_bytes
+
+    def set_current_key_raw(self, key: Any, key_bytes: bytes, key_group: int) -> None:
+        """Set the current key when its bytes and group are already known (replay)."""
+        self.current_key = key
+        self.current_key_bytes = key_bytes
+        self.current_key_group = key_group
+        self._kgb = self._kg_bytes[key_group]
+        self._kpart = _LEN.pack(len(key_bytes)) + key_bytes
+
+    # -- states -----------------------------------------------------------------------
+    def get_state(self, descriptor: StateDescriptor) -> Any:
+        """The state object for ``descriptor``; the same object on every call.
+
+        Raises :class:`SchemaMismatchError` on a conflicting declaration of the name.
+        """
+        meta = descriptor.meta
+        state = self._states.get(meta.name)
+        if state is not None:
+            self._metas[meta.name].check_compatible(meta)
+            return state
+        state = wrap(descriptor, self.internal_state(meta), self.clock)
+        self._states[meta.name] = state
+        return state
+
+    def _register(self, meta: StateMeta) -> int:
+        existing = self._metas.get(meta.name)
+        if existing is not None:
+            existing.check_compatible(meta)
+            return self._ids[meta.name]
+        if len(self._ids) >= 1 << 16:
+            raise LocalStoreError("too many states for one RocksDB backend (65536)")
+        self._metas[meta.name] = meta
+        self._ids[meta.name] = sid = len(self._ids)
+        return sid
+
+    def register_restored(self, meta: StateMeta) -> None:
+        """Declare a state known from a checkpoint."""
+        self._register(meta)
+
+    def state_metas(self) -> dict[str, StateMeta]:
+        """Every state declared or restored, by name."""
+        return dict(self._metas)
+
+    def internal_state(self, meta: StateMeta) -> Any:
+        """The raw state of ``meta`` (registers it if needed)."""
+        self._check_open()
+        sid = self._register(meta).to_bytes(2, "big")
+        raw = self._raw.get(meta.name)
+        if raw is None:
+            if meta.kind is StateKind.LIST:
+                raw = _RocksListState(self, sid, meta.raw_value_ser())
+            elif meta.kind in MAP_LIKE:
+                raw = _RocksMapState(self, sid, meta.user_key_ser(), meta.raw_value_ser())
+            else:
+                raw = _RocksValueState(self, sid, meta.raw_value_ser())
+            self._raw[meta.name] = raw
+        return raw
+
+    # -- snapshot, scans and bulk load ------------------------------------------------
+    def metadata(self) -> bytes:
+        """The content of ``STATE-META.json`` for the current states."""
+        return encode_metadata(
+            self.key_serializer.name,
+            self.key_group_range,
+            self.max_parallelism,
+            self._metas,
+            self._ids,
+        )
+
+    def snapshot(self, sqn: int | None = None) -> RocksDBSnapshot:
+        """A RocksDB checkpoint (hard links, milliseconds) in a fresh temp dir. Task thread.
+
+        Expired TTL entries are not purged here (that would scan the state); they are
+        dropped on access and when a snapshot is restored.
+        """
+        self._check_open()
+        directory = tempfile.mkdtemp(prefix="snapshot-", dir=self.path)
+        cp = os.path.join(directory, "checkpoint")
+        try:
+            rocksdict.Checkpoint(self._db).create_checkpoint(cp)
+        except Exception as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise LocalStoreError(f"RocksDB checkpoint into {cp} failed ({exc})") from exc
+        return RocksDBSnapshot(sqn, self.key_group_range, directory, cp, self.metadata())
+
+    def _state_rows(self, name: str, kg: int) -> Iterator[tuple[bytes, bytes]]:
+        lo = self._kg_bytes[kg] + self._ids[name].to_bytes(2, "big")
+        return iter_rows(self._db, lo, _prefix_end(lo))
+
+    def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:
+        """``(key_group, key, raw value)`` of state ``name``, one range scan per key group."""
+        meta = self._metas.get(name)
+        if meta is None:
+            return
+        for kg in self.key_group_range:
+            kgs, keys, values = decode_state_rows(
+                meta, self.key_serializer, list(self._state_rows(name, kg))
+            )
+            yield from zip(kgs, keys, values, strict=True)
+
+    def entry_count(self) -> int:
+        """An estimate of the number of rows (RocksDB's ``estimate-num-keys``)."""
+        self._check_open()
+        n = self._db.property_int_value("rocksdb.estimate-num-keys")
+        return int(n or 0)
+
+    def load_entries(
+        self,
+        meta: StateMeta,
+        key_groups: Sequence[int],
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        only: KeyGroupRange | None = None,
+    ) -> None:
+        """Bulk-insert raw entries with one write batch; groups outside ``only`` skipped."""
+        sid = self._register(meta).to_bytes(2, "big")
+        rng = only if only is not None else self.key_group_range
+        vser = meta.raw_value_ser()
+        kser = self.key_serializer.serialize
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        is_list, is_map = meta.kind is StateKind.LIST, meta.kind in MAP_LIKE
+        uks = meta.user_key_ser().serialize if is_map else None
+        for kg, key, value in zip(key_groups, keys, values, strict=True):
+            if kg not in rng:
+                continue
+            kb = kser(key)
+            row = self._kg_bytes[kg] + sid + _LEN.pack(len(kb)) + kb
+            if uks is not None:
+                for uk, v in value.items():
+                    wb.put(row + uks(uk), vser.serialize(v))
+            elif is_list:
+                if value:
+                    wb.put(row, pack_list([vser.serialize(e) for e in value]))
+            else:
+                wb.put(row, vser.serialize(value))
+        self._write(wb)
+
+    def _write(self, wb: rocksdict.WriteBatch) -> None:
+        self._check_open()
+        try:
+            self._db.write(wb)
+        except Exception as exc:
+            raise LocalStoreError(f"RocksDB write batch failed ({exc})") from exc
+
+    # -- the batch path ---------------------------------------------------------------
+    def apply_batch(
+        self, descriptor: StateDescriptor, keys: Any, values: Any, user_keys: Any = None
+    ) -> None:
+        """Value set / list add / map put for many keys in one write batch."""
+        self.get_state(descriptor)
+        meta, batch = prepare_batch(
+            descriptor,
+            self.key_serializer,
+            self.key_group_range,
+            self.max_parallelism,
+            self.clock(),
+            keys,
+            values,
+            user_keys,
+        )
+        self.apply_prepared(meta, batch)
+
+    def apply_prepared(self, meta: StateMeta, batch: PreparedBatch) -> None:
+        """Apply a prepared batch as one RocksDB write batch (fills its value bytes)."""
+        sid = self._register(meta).to_bytes(2, "big")
+        kgb = self._kg_bytes
+        pack = _LEN.pack
+        rows = [
+            kgb[kg] + sid + pack(len(kb)) + kb
+            for kg, kb in zip(batch.key_groups, batch.key_bytes, strict=True)
+        ]
+        vbytes = batch.value_bytes_with(meta.raw_value_ser())
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        if batch.op is Op.VALUE_SET:
+            for row, vb in zip(rows, vbytes, strict=True):
+                wb.put(row, vb)
+        elif batch.op is Op.LIST_ADD:
+            grouped: dict[bytes, bytearray] = {}
+            for row, vb in zip(rows, vbytes, strict=True):
+                buf = grouped.get(row)
+                if buf is None:
+                    buf = grouped[row] = bytearray()
+                buf += _LEN_LE.pack(len(vb))
+                buf += vb
+            order = list(grouped)
+            db: Any = self._db
+            old: list[bytes | None] = db.get(order) if order else []
+            for row, prev in zip(order, old, strict=True):
+                wb.put(row, bytes(grouped[row]) if prev is None else prev + bytes(grouped[row]))
+        else:
+            ukb = batch.user_key_bytes_with(meta.user_key_ser())
+            for row, uk, vb in zip(rows, ukb, vbytes, strict=True):
+                wb.put(row + uk, vb)
+        self._write(wb)
+
+    # -- lifecycle --------------------------------------------------------------------
+    def purge_expired(self) -> int:
+        """Delete expired TTL entries of every state (a full scan); returns rows deleted."""
+        now = self.clock()
+        deleted = 0
+        for name, meta in self._metas.items():
+            if meta.ttl is None:
+                continue
+            ser = meta.raw_value_ser()
+            is_list = meta.kind is StateKind.LIST
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for kg in self.key_group_range:
+                for k, v in list(self._state_rows(name, kg)):
+                    if is_list:
+                        kept = alive(
+                            [ser.deserialize(e) for e in unpack_list(v)],
+                            True,
+                            False,
+                            meta.ttl.ttl_ms,
+                            now,
+                        )
+                        if kept is None:
+                            wb.delete(k)
+                            deleted += 1
+                        else:
+                            wb.put(k, pack_list([ser.serialize(e) for e in kept]))
+                    elif alive(ser.deserialize(v), False, False, meta.ttl.ttl_ms, now) is None:
+                        wb.delete(k)
+                        deleted += 1
+            self._write(wb)
+        return deleted
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalStoreError(f"RocksDB backend at {self.path} is closed")
+
+    def close(self) -> None:
+        """Close the database; delete its directory if the backend created it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._db.close()
+        finally:
+            if self._owns_dir:
+                shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,147 @@
+"""RocksDB store specifics: row layout, short snapshots with stable SST names, restore."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from backends import (
+    KeyGroupRange,
+    ListStateDescriptor,
+    RocksDBKeyedStateBackend,
+    ValueStateDescriptor,
+    key_group_for,
+    restore_into,
+)
+from backends.errors import LocalStoreError
+from backends.rocksdb import META_FILE, iter_rows
+from backends.serializers import INT64, STR
+from dstl.errors import CorruptionError, SchemaMismatchError
+from materializer import Materializer
+from tests.backends.conftest import MAX_PAR, Factory
+from tests.backends.helpers import dump, workload
+
+
+def test_rows_are_prefixed_by_key_group_then_state(factory: Factory) -> None:
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    keys = [f"k{i}" for i in range(50)]
+    for i, k in enumerate(keys):
+        b.set_current_key(k)
+        s.update(i)
+    rows = list(iter_rows(b._db, b"", b"\xff\xff\xff"))
+    assert len(rows) == 50
+    for k, _ in rows:
+        kg = int.from_bytes(k[:2], "big")
+        klen = int.from_bytes(k[4:8], "big")
+        assert kg == key_group_for(k[8 : 8 + klen], MAX_PAR)
+    # a key-group range is one contiguous scan
+    lo, hi = (10).to_bytes(2, "big"), (20).to_bytes(2, "big")
+    in_range = {k for k, _ in iter_rows(b._db, lo, hi)}
+    assert in_range == {k for k, _ in rows if 10 <= int.from_bytes(k[:2], "big") < 20}
+
+
+def test_snapshot_is_a_checkpoint_with_stable_sst_names(factory: Factory) -> None:
+    b = factory.logged("rocksdb")
+    workload(b, 1, 300, factory.clock)
+    s1 = b.snapshot_for_materialization()
+    s2 = b.snapshot_for_materialization()  # nothing changed in between
+    try:
+        assert s1.kind == s2.kind == "rocksdb-sst"
+        f1, f2 = list(s1.files()), list(s2.files())
+        assert f1[0].name == META_FILE and f1[0].data == f2[0].data  # content-stable
+        ssts1 = {f.name: os.path.getsize(f.local_path or "") for f in f1 if f.name.endswith(".sst")}
+        ssts2 = {f.name: os.path.getsize(f.local_path or "") for f in f2 if f.name.endswith(".sst")}
+        assert ssts1 and ssts1 == ssts2
+        # later writes do not change a taken snapshot
+        b.set_current_key("k1")
+        b.get_state(ValueStateDescriptor("late", INT64)).update(1)
+        s3 = b.snapshot_for_materialization()
+        f3 = list(s3.files())
+        assert f3[0].data != f1[0].data
+        assert set(ssts1) <= {f.name for f in f3}  # old SSTs are still shared
+        s3.release()
+    finally:
+        s1.release()
+        s2.release()
+    assert not os.path.exists(s1.directory)
+    s1.release()  # idempotent
+
+
+def test_closed_backend_raises_our_error(factory: Factory) -> None:
+    b = RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR)
+    path = b.path
+    b.close()
+    assert not os.path.exists(path)  # a backend-created directory is deleted
+    with pytest.raises(LocalStoreError):
+        b.snapshot()
+    used = factory.tmp_path / "used"
+    RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=str(used)).close()
+    with pytest.raises(LocalStoreError, match="fresh"):
+        RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=str(used))
+
+
+def test_sst_restore_schema_mismatch_names_the_state(factory: Factory) -> None:
+    b = factory.logged("rocksdb")
+    workload(b, 2, 200, factory.clock)
+    Materializer(b, factory.fileio, "job", "op", 0).materialize_now()
+    handle = b.checkpoint(1).result()
+    for kind in ("heap", "rocksdb"):
+        nb = factory.store(kind)
+        nb.get_state(ListStateDescriptor("count", INT64))
+        with pytest.raises(SchemaMismatchError, match="'count'"):
+            restore_into(nb, factory.fileio, [handle])
+    wrong_keys = factory.store("rocksdb", key_serializer=INT64)
+    with pytest.raises(SchemaMismatchError, match="keys"):
+        restore_into(wrong_keys, factory.fileio, [handle])
+
+
+def test_missing_meta_file_is_corruption(factory: Factory) -> None:
+    import dataclasses
+
+    b = factory.logged("rocksdb")
+    workload(b, 3, 100, factory.clock)
+    mat = Materializer(b, factory.fileio, "job", "op", 0).materialize_now()
+    handle = b.checkpoint(1).result()
+    files = tuple(f for f in mat.state_files if not f.location.endswith(META_FILE))
+    broken = dataclasses.replace(
+        handle, materialized=(dataclasses.replace(mat, state_files=files),)
+    )
+    with pytest.raises(CorruptionError, match=META_FILE):
+        restore_into(factory.store("heap"), factory.fileio, [broken])
+
+
+def test_restore_drops_key_groups_outside_the_range(factory: Factory) -> None:
+    b = factory.logged("rocksdb")
+    workload(b, 4, 400, factory.clock)
+    Materializer(b, factory.fileio, "job", "op", 0).materialize_now()
+    handle = b.checkpoint(1).result()
+    rng = KeyGroupRange(0, 40)
+    nb: Any = factory.store("rocksdb", rng)
+    restore_into(nb, factory.fileio, [handle])
+    rows = list(iter_rows(nb._db, b"", b"\xff\xff\xff"))
+    assert rows and all(int.from_bytes(k[:2], "big") < 40 for k, _ in rows)
+    full = dump(b.inner)
+    expected = {
+        n: {k: v for k, v in e.items() if key_group_for(STR.serialize(k), MAX_PAR) in rng}
+        for n, e in full.items()
+    }
+    assert dump(nb) == {n: e for n, e in expected.items() if e}
+
+
+def test_second_materialization_shares_unchanged_ssts(factory: Factory) -> None:
+    b = factory.logged("rocksdb")
+    workload(b, 7, 300, factory.clock)
+    m = Materializer(b, factory.fileio, "job", "op", 0)
+    first = m.materialize_now()
+    workload(b, 8, 50, factory.clock)
+    second = m.materialize_now()
+    old_ssts = {f.location for f in first.state_files if f.location.endswith(".sst")}
+    assert old_ssts & {f.location for f in second.state_files}  # the old SST is reused
+    handle = b.checkpoint(1).result()
+    for kind in ("heap", "rocksdb"):
+        nb = factory.store(kind)
+        restore_into(nb, factory.fileio, [handle])
+        assert dump(nb) == dump(b.inner)

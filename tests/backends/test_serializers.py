@@ -1,0 +1,74 @@
+"""Serializers: every name round-trips, bytes and Arrow columns round-trip, typed columns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.serializers import (
+    BOOL,
+    BYTES,
+    FLOAT64,
+    INT64,
+    PICKLE,
+    STR,
+    Serializer,
+    serializer_for,
+    ttl_of,
+    tuple_of,
+)
+from dstl.errors import ConfigError, CorruptionError
+
+SAMPLES: list[tuple[Serializer, list[Any]]] = [
+    (INT64, [0, -1, 2**63 - 1]),
+    (FLOAT64, [0.5, -1e300]),
+    (BOOL, [True, False]),
+    (STR, ["", "héllo"]),
+    (BYTES, [b"", b"\x00\xff"]),
+    (PICKLE, [{"a": (1, 2)}, None]),
+    (tuple_of(INT64, FLOAT64), [(1, 2.5), (-3, 0.0)]),
+    (tuple_of(STR, INT64, BYTES), [("a", 1, b"x"), ("", -2, b"")]),
+    (tuple_of(STR, tuple_of(INT64, BOOL)), [("k", (1, True))]),
+    (ttl_of(STR), [(5, "v")]),
+    (ttl_of(tuple_of(INT64, STR)), [(5, (1, "v"))]),
+]
+
+
+@pytest.mark.parametrize(("ser", "values"), SAMPLES, ids=[s.name for s, _ in SAMPLES])
+def test_round_trips(ser: Serializer, values: list[Any]) -> None:
+    assert serializer_for(ser.name) == ser
+    assert serializer_for(ser.name).name == ser.name
+    for v in values:
+        assert ser.deserialize(ser.serialize(v)) == v
+    col = ser.to_arrow(values)
+    assert col.type == ser.arrow_type
+    assert ser.from_arrow(col) == values
+    assert ser.from_arrow(pa.chunked_array([col])) == values
+
+
+def test_tuple_columns_are_typed_structs() -> None:
+    ser = tuple_of(STR, INT64)
+    assert ser.arrow_type == pa.struct([("f0", pa.string()), ("f1", pa.int64())])
+    assert ser.name == "tuple<str,int64>"
+
+
+def test_unknown_and_corrupt() -> None:
+    with pytest.raises(ConfigError):
+        serializer_for("tuple<nope>")
+    with pytest.raises(ConfigError):
+        serializer_for("decimal")
+    with pytest.raises(CorruptionError):
+        tuple_of(STR, INT64).deserialize(b"\x05\x00\x00\x00ab")
+    with pytest.raises(CorruptionError):
+        INT64.deserialize(b"\x01")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.tuples(st.text(), st.integers(-(2**63), 2**63 - 1), st.binary(), st.booleans()))
+def test_tuple_property(value: tuple[str, int, bytes, bool]) -> None:
+    ser = tuple_of(STR, INT64, BYTES, BOOL)
+    assert ser.deserialize(ser.serialize(value)) == value

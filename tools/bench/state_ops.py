@@ -1,0 +1,185 @@
+"""State-operation throughput: value, list and map state; per-record and batch API; heap
+and RocksDB; changelog off and on, measured in the same run.
+
+Each case runs ``rounds`` times alternating off/on, and keeps the best time (the machine
+is shared). ``changelog_overhead_ratio`` is the worst per-record case's on/off time ratio;
+``batch_updates_per_s_heap`` is the heap store's value-state batch rate with the changelog
+on (``..._no_changelog`` without). The changelog's upload thread runs as in production
+(pre-emptive persists happen during the run); checkpoint time is not included.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from backends import (
+    ChangelogKeyedStateBackend,
+    HeapKeyedStateBackend,
+    KeyGroupRange,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    RocksDBKeyedStateBackend,
+    ValueStateDescriptor,
+)
+from backends.serializers import INT64, STR
+from dstl import ChangelogStorage, FileIO
+
+COLUMNS = ["store", "state", "api", "changelog", "updates", "seconds", "updates_per_s", "overhead"]
+
+MAX_PAR = 128
+KEYS = 10_000
+DESCRIPTORS: dict[str, Any] = {
+    "value": ValueStateDescriptor("v", INT64),
+    "list": ListStateDescriptor("l", INT64),
+    "map": MapStateDescriptor("m", STR, INT64),
+}
+
+
+def _store(kind: str, tmp: str) -> Any:
+    rng = KeyGroupRange(0, MAX_PAR)
+    if kind == "heap":
+        return HeapKeyedStateBackend(STR, rng, MAX_PAR)
+    return RocksDBKeyedStateBackend(STR, rng, MAX_PAR, path=tempfile.mkdtemp(dir=tmp))
+
+
+def _per_record(backend: Any, state: str, keys: list[str], values: list[int]) -> float:
+    s = backend.get_state(DESCRIPTORS[state])
+    set_key = backend.set_current_key
+    started = time.perf_counter()
+    if state == "value":
+        update = s.update
+        for k, v in zip(keys, values, strict=True):
+            set_key(k)
+            update(v)
+    elif state == "list":
+        add = s.add
+        for k, v in zip(keys, values, strict=True):
+            set_key(k)
+            add(v)
+    else:
+        put = s.put
+        user_keys = [f"u{v % 8}" for v in values]
+        started = time.perf_counter()
+        for k, uk, v in zip(keys, user_keys, values, strict=True):
+            set_key(k)
+            put(uk, v)
+    return time.perf_counter() - started
+
+
+def _batch(backend: Any, state: str, keys: list[str], values: list[int], size: int) -> float:
+    d = DESCRIPTORS[state]
+    user_keys = [f"u{v % 8}" for v in values] if state == "map" else None
+    started = time.perf_counter()
+    for i in range(0, len(keys), size):
+        backend.apply_batch(
+            d,
+            keys[i : i + size],
+            values[i : i + size],
+            None if user_keys is None else user_keys[i : i + size],
+        )
+    return time.perf_counter() - started
+
+
+def _measure(
+    kind: str,
+    logged: bool,
+    run: Callable[[Any], float],
+    tmp: str,
+    storage: ChangelogStorage,
+    counter: list[int],
+) -> float:
+    store = _store(kind, tmp)
+    try:
+        if logged:
+            counter[0] += 1
+            backend: Any = ChangelogKeyedStateBackend(
+                store, storage.create_writer(f"bench-{counter[0]}")
+            )
+        else:
+            backend = store
+        return run(backend)
+    finally:
+        store.close()
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Run every case; see the module docstring for the summary fields."""
+    scale = 1 if quick else 4
+    sizes = {
+        ("heap", "per-record"): 100_000 * scale,
+        ("rocksdb", "per-record"): 40_000 * scale,
+        ("heap", "batch"): 500_000 * scale,
+        ("rocksdb", "batch"): 150_000 * scale,
+    }
+    rounds = 3
+    rnd = random.Random(42)
+    cases: list[dict[str, Any]] = []
+    tmp = tempfile.mkdtemp(prefix="bench-state-ops-")
+    counter = [0]
+    try:
+        fileio = FileIO(tmp + "/store")
+        with ChangelogStorage(fileio, "bench", "w0") as storage:
+            for kind in ("heap", "rocksdb"):
+                for api in ("per-record", "batch"):
+                    n = sizes[(kind, api)]
+                    keys = [f"key-{rnd.randrange(KEYS)}" for _ in range(n)]
+                    values = [rnd.randrange(1 << 40) for _ in range(n)]
+                    for state in ("value", "list", "map"):
+                        best = {False: float("inf"), True: float("inf")}
+
+                        def go(
+                            b: Any,
+                            state: str = state,
+                            api: str = api,
+                            keys: list[str] = keys,
+                            values: list[int] = values,
+                        ) -> float:
+                            if api == "per-record":
+                                return _per_record(b, state, keys, values)
+                            return _batch(b, state, keys, values, 10_000)
+
+                        for _ in range(rounds):
+                            for logged in (False, True):
+                                t = _measure(kind, logged, go, tmp, storage, counter)
+                                best[logged] = min(best[logged], t)
+                        for logged in (False, True):
+                            cases.append(
+                                {
+                                    "store": kind,
+                                    "state": state,
+                                    "api": api,
+                                    "changelog": "on" if logged else "off",
+                                    "updates": n,
+                                    "seconds": round(best[logged], 4),
+                                    "updates_per_s": round(n / best[logged]),
+                                    "overhead": round(best[True] / best[False], 3)
+                                    if logged
+                                    else "",
+                                }
+                            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_record_on = [c for c in cases if c["api"] == "per-record" and c["changelog"] == "on"]
+    worst = max(per_record_on, key=lambda c: c["overhead"])
+
+    def rate(store: str, state: str, api: str, changelog: str) -> int:
+        return next(
+            c["updates_per_s"]
+            for c in cases
+            if (c["store"], c["state"], c["api"], c["changelog"]) == (store, state, api, changelog)
+        )
+
+    return {
+        "cases": cases,
+        "changelog_overhead_ratio": worst["overhead"],
+        "changelog_overhead_worst_case": f"{worst['store']}/{worst['state']}",
+        "changelog_overhead_target": 1.15,
+        "batch_updates_per_s_heap": rate("heap", "value", "batch", "on"),
+        "batch_updates_per_s_heap_no_changelog": rate("heap", "value", "batch", "off"),
+        "batch_target_per_s": 1_000_000,
+    }
