@@ -1,102 +1,293 @@
-"""Materialization of a changelog backend: snapshot on the task thread, upload anywhere.
+"""Materialization of a backend: snapshot on the task thread, upload anywhere, share files.
 
 A materialization has two parts, as in FLIP-158: :meth:`Materializer.snapshot` runs on
 the task thread (it closes the log's change set and copies the state, which is short);
-:meth:`Materializer.upload` writes the state tables through the FileIO on any thread and
+:meth:`Materializer.upload` writes the state files through the FileIO on any thread and
 returns a :class:`~backends.handles.MaterializationHandle`; the task thread then hands
-that to :meth:`~backends.changelog.ChangelogKeyedStateBackend.materialization_done`, which
-lets later checkpoints drop the log before it.
+that to the backend's ``materialization_done``, which lets later checkpoints drop the log
+before it (the writer truncates; the segments are released by reference counting in the
+metadata store once no retained checkpoint references them).
+
+Shared files
+------------
+A materialization uploads only files it cannot *share*, and its handle lists every file
+it needs (shared and new). A file is shared when a file of the same name and identity
+(``StateFileHandle.file_id``) is in the backend's **current base** (``backend.base``) at
+the time of :meth:`Materializer.snapshot`. Identity is the content hash (blake2b-128) for
+in-memory files (heap tables) and ``sst:<size>:<blake2b-128>`` for local files (SSTs:
+name + size + checksum).
+
+Why only the current base: the base's files are referenced by every checkpoint taken
+since it was applied, and keep being referenced until a newer materialization replaces
+the base; the new materialization references them itself before any checkpoint can stop
+referencing the base. A checkpoint is only released when a newer one completes, and the
+newest completed checkpoint always references either the base or its successor, so a
+shared file is never released while it is in use (before the first checkpoint with the
+base completes, the base's files are referenced by no checkpoint at all, and reference
+counting never deletes a file it never counted). Sharing a file of an *older*
+materialization would race with that deletion: its last referencing checkpoint may be
+subsumed between our decision to share and our checkpoint's commit, and the bytes go away
+under us (Spark's SPARK-55892). The orphan sweep must use a safety age longer than the
+materialization interval plus checkpoint interval, since an in-flight base is "in-flight
+work", not yet a reference.
+
+Failures
+--------
+New files of a materialization that failed with a known outcome are deleted before the
+error propagates; the one file whose write ended in :class:`UnknownOutcomeError` is left
+for the orphan sweep. A result that will never be applied (see :meth:`discard`) deletes
+its new files, never shared ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import posixpath
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from backends.changelog import ChangelogKeyedStateBackend
 from backends.handles import MaterializationHandle, StateFileHandle
-from backends.snapshot import MaterializationSnapshot
+from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from dstl import layout
-from dstl.errors import ConfigError
+from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
+from materializer.errors import MaterializationError
+from materializer.heap_layout import DEFAULT_PIECE_ROWS, snapshot_files
 
 log = logging.getLogger(__name__)
+
+_READ_CHUNK = 1 << 20
+
+
+class MaterializationSource(Protocol):
+    """What the materializer needs of a backend (the changelog backend implements it).
+
+    Every member is called on the backend's task thread only.
+    """
+
+    @property
+    def backend_id(self) -> str:
+        """The writer id: unique per backend instance and attempt."""
+        ...
+
+    @property
+    def base(self) -> tuple[MaterializationHandle, ...]:
+        """The materializations current checkpoints reference (the only shareable files)."""
+        ...
+
+    def snapshot_for_materialization(self) -> MaterializationSnapshot:
+        """Close the change set and copy the state (the synchronous part)."""
+        ...
+
+    def materialization_done(self, handle: MaterializationHandle) -> None:
+        """Make ``handle`` the base: later checkpoints reference it instead of the log."""
+        ...
+
+    def changed_since_materialization(self) -> bool:
+        """Whether anything changed since the current base."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializerOptions:
+    """How state files are cut.
+
+    ``heap_piece_rows``: expected rows per content-defined piece of a heap state table
+    (``materializer.heap.piece-rows``); ``None`` uploads the backend's own files.
+    """
+
+    heap_piece_rows: int | None = DEFAULT_PIECE_ROWS
+
+    def __post_init__(self) -> None:
+        if self.heap_piece_rows is not None and self.heap_piece_rows < 1:
+            raise ConfigError("materializer.heap.piece-rows must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
 class MaterializationStats:
-    """What one materialization cost."""
+    """What one materialization cost (``*_s`` in seconds, bytes as uploaded).
+
+    ``duration_s`` is the upload part, ``sync_duration_s`` the task-thread snapshot.
+    ``bytes_total`` is every byte the handle references, shared included.
+    """
 
     duration_s: float
     files_new: int
     files_shared: int
     bytes_new: int
     bytes_total: int
+    materialization_id: int = 0
+    sqn: int = 0
+    sync_duration_s: float = 0.0
+
+    def to_dict(self) -> dict[str, int | float]:
+        """JSON-ready fields for checkpoint statistics (durations in milliseconds)."""
+        return {
+            "materialization_id": self.materialization_id,
+            "sqn": self.sqn,
+            "duration_ms": round(self.duration_s * 1e3, 3),
+            "sync_duration_ms": round(self.sync_duration_s * 1e3, 3),
+            "files_new": self.files_new,
+            "files_shared": self.files_shared,
+            "bytes_new": self.bytes_new,
+            "bytes_total": self.bytes_total,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationResult:
+    """An uploaded materialization: its handle, the files it uploaded, its cost."""
+
+    handle: MaterializationHandle
+    new_files: tuple[str, ...]
+    stats: MaterializationStats
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    shareable: dict[tuple[str, str], StateFileHandle]
+    sync_duration_s: float
+
+
+def share_key(name: str, file_id: str) -> tuple[str, str]:
+    """The identity under which a file is shared: its name and its ``file_id``."""
+    return name, file_id
+
+
+def shareable_files(
+    base: tuple[MaterializationHandle, ...],
+) -> dict[tuple[str, str], StateFileHandle]:
+    """Every file of ``base`` by :func:`share_key` (its snapshot name, else the last
+    path component of its location)."""
+    return {
+        share_key(f.name or posixpath.basename(f.location), f.file_id): f
+        for m in base
+        for f in m.state_files
+    }
 
 
 class Materializer:
     """Materializes one backend instance of operator ``operator``, subtask ``subtask``.
 
     :meth:`snapshot` is task thread only; :meth:`upload` may run on any thread and touches
-    no backend state. Thread-safe otherwise: it holds no mutable state but a counter that
-    only the task thread advances.
+    no backend state (the shareable files were captured by :meth:`snapshot`).
+    Thread-safe otherwise: the id counter is advanced by the task thread only; the
+    per-materialization bookkeeping and :attr:`last_stats` are guarded by ``self._lock``.
     """
 
     def __init__(
         self,
-        backend: ChangelogKeyedStateBackend,
+        backend: MaterializationSource,
         fileio: FileIO,
         job: str,
         operator: str,
         subtask: int,
         clock: Callable[[], float] = time.monotonic,
+        options: MaterializerOptions | None = None,
     ) -> None:
         self.backend = backend
         self.fileio = fileio
         self.job = job
         self.operator = operator
         self.subtask = subtask
+        self.options = options or MaterializerOptions()
         self._clock = clock
         self._next_id = 1
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
         self.last_stats: MaterializationStats | None = None
 
     def snapshot(self) -> tuple[int, MaterializationSnapshot]:
-        """The synchronous part: a materialization id and a consistent state copy."""
+        """The synchronous part: a materialization id and a consistent state copy.
+
+        Also captures the files of the backend's current base, the only ones the upload
+        may share (see the module docstring).
+        """
+        started = self._clock()
         mat_id = self._next_id
         self._next_id += 1
-        return mat_id, self.backend.snapshot_for_materialization()
+        shareable = shareable_files(self.backend.base)
+        snap = self.backend.snapshot_for_materialization()
+        with self._lock:
+            self._pending[mat_id] = _Pending(shareable, self._clock() - started)
+        return mat_id, snap
 
     def upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> MaterializationHandle:
-        """The asynchronous part: write every state table; the handle lists them all."""
-        if snapshot.sqn is None:
-            raise ConfigError("a materialization snapshot needs a changelog sqn")
+        """The asynchronous part: upload new files, share the rest; the handle lists all."""
+        return self.upload_result(mat_id, snapshot).handle
+
+    def upload_result(
+        self, mat_id: int, snapshot: MaterializationSnapshot
+    ) -> MaterializationResult:
+        """Like :meth:`upload`, also saying which files were new and what it cost.
+
+        Raises :class:`MaterializationError` (its cause is the storage or read error);
+        new files are deleted first unless their write outcome is unknown.
+        """
+        with self._lock:
+            pending = self._pending.pop(mat_id, None)
+        shareable = pending.shareable if pending is not None else {}
+        sync_s = pending.sync_duration_s if pending is not None else 0.0
         started = self._clock()
         directory = layout.materialization_dir(
             self.job, self.operator, self.subtask, mat_id, uuid.uuid4().hex[:8]
         )
         files: list[StateFileHandle] = []
+        new: list[str] = []
+        new_bytes = 0
         try:
-            for f in snapshot.files():
-                data = f.data if f.data is not None else _read_local(f.local_path)
+            if snapshot.sqn is None:
+                raise MaterializationError("a materialization snapshot needs a changelog sqn")
+            for f in snapshot_files(snapshot, self.options.heap_piece_rows):
+                data, file_id = _content(f)
+                hit = shareable.get(share_key(f.name, file_id))
+                if hit is not None:
+                    files.append(
+                        dataclasses.replace(
+                            hit,
+                            state=f.state,
+                            key_group_start=f.key_group_start,
+                            key_group_end=f.key_group_end,
+                            rows=f.rows,
+                            name=f.name,
+                        )
+                    )
+                    continue
                 path = layout.state_file_path(directory, f.name)
+                # On UnknownOutcomeError this file may exist: it is not in ``new``, so the
+                # cleanup below leaves it for the orphan sweep.
                 self.fileio.write_new(path, data)
+                new.append(self.fileio.url(path))
+                new_bytes += len(data)
                 files.append(
                     StateFileHandle(
                         location=self.fileio.url(path),
                         size_bytes=len(data),
-                        file_id=hashlib.blake2b(data, digest_size=16).hexdigest(),
+                        file_id=file_id,
                         state=f.state,
                         key_group_start=f.key_group_start,
                         key_group_end=f.key_group_end,
                         rows=f.rows,
+                        name=f.name,
                     )
                 )
+        except Exception as exc:
+            self._delete(new)
+            if isinstance(exc, MaterializationError):
+                raise
+            raise MaterializationError(
+                f"materialization {mat_id} of {self.backend.backend_id} failed: "
+                f"{exc.__class__.__name__}: {exc}"
+            ) from exc
         finally:
             snapshot.release()
+        assert snapshot.sqn is not None
         rng = snapshot.key_group_range
         handle = MaterializationHandle(
             writer_id=self.backend.backend_id,
@@ -107,17 +298,49 @@ class Materializer:
             state_files=tuple(files),
             materialization_id=mat_id,
         )
-        total = sum(f.size_bytes for f in files)
-        self.last_stats = MaterializationStats(self._clock() - started, len(files), 0, total, total)
+        stats = MaterializationStats(
+            duration_s=self._clock() - started,
+            files_new=len(new),
+            files_shared=len(files) - len(new),
+            bytes_new=new_bytes,
+            bytes_total=sum(f.size_bytes for f in files),
+            materialization_id=mat_id,
+            sqn=snapshot.sqn,
+            sync_duration_s=sync_s,
+        )
+        with self._lock:
+            self.last_stats = stats
         log.info(
-            "materialized writer=%s id=%d sqn=%d files=%d bytes=%d",
+            "materialized writer=%s id=%d sqn=%d files_new=%d files_shared=%d bytes_new=%d bytes_total=%d",
             handle.writer_id,
             mat_id,
             handle.sqn,
-            len(files),
-            total,
+            stats.files_new,
+            stats.files_shared,
+            stats.bytes_new,
+            stats.bytes_total,
         )
-        return handle
+        return MaterializationResult(handle, tuple(new), stats)
+
+    def discard(self, result: MaterializationResult) -> None:
+        """Delete the new files of a result that is known never to be applied.
+
+        Only for results no checkpoint can reference (never handed to the backend, or
+        ignored by it as older than its base); shared files are never touched.
+        """
+        self._delete(list(result.new_files))
+
+    def forget(self, mat_id: int) -> None:
+        """Drop the bookkeeping of a snapshot that will never be uploaded."""
+        with self._lock:
+            self._pending.pop(mat_id, None)
+
+    def _delete(self, urls: list[str]) -> None:
+        for url in urls:
+            try:
+                self.fileio.delete(self.fileio.relative(url))
+            except StorageError as exc:  # best effort: the orphan sweep gets it later
+                log.warning("materialization cleanup failed file=%s error=%s", url, exc)
 
     def materialize_now(self) -> MaterializationHandle:
         """Snapshot, upload and apply on the calling (task) thread. For tests and tools."""
@@ -127,7 +350,19 @@ class Materializer:
         return handle
 
 
-def _read_local(path: str | None) -> bytes:
-    assert path is not None
-    with open(path, "rb") as fh:
-        return fh.read()
+def _content(f: SnapshotFile) -> tuple[bytes, str]:
+    """The bytes of ``f`` and its identity (content hash, or SST size + checksum)."""
+    if f.data is not None:
+        return f.data, hashlib.blake2b(f.data, digest_size=16).hexdigest()
+    assert f.local_path is not None
+    digest = hashlib.blake2b(digest_size=16)
+    chunks: list[bytes] = []
+    try:
+        with open(f.local_path, "rb") as fh:
+            while chunk := fh.read(_READ_CHUNK):
+                digest.update(chunk)
+                chunks.append(chunk)
+    except OSError as exc:
+        raise MaterializationError(f"cannot read local state file {f.local_path}: {exc}") from exc
+    data = b"".join(chunks)
+    return data, f"sst:{len(data)}:{digest.hexdigest()}"

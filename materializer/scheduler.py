@@ -1,0 +1,269 @@
+"""Periodic background materialization, driven by the task thread in small steps.
+
+The scheduler is a thin shell around two synchronous steps the owning task thread calls
+from its loop (or a test calls directly, with an injected clock and random source):
+
+- :meth:`MaterializationScheduler.tick` ``(now)``: if a materialization is due, nothing is
+  in flight, and the backend changed since its base, take the snapshot (the short,
+  synchronous part, on the task thread) and hand the upload to the scheduler's executor;
+- :meth:`MaterializationScheduler.poll`: take a finished upload back and apply it to the
+  backend (``materialization_done``: later checkpoints reference it and the writer
+  truncates its log), or count the failure.
+
+:meth:`~MaterializationScheduler.run_once` does both. Results travel from the upload
+thread to the task thread through a queue; ``on_ready`` (optional) is called on the
+upload thread after a result is queued, so a runtime can wake its task (e.g. put a
+control message into its mailbox) instead of waiting for its next loop turn.
+
+Policy (Flink's ``PeriodicMaterializationManager``): the first run is at a random point in
+``[interval/2, interval)`` from start (spreads subtasks apart); later runs every
+``interval_s``; a run is skipped (and the next one scheduled an interval later) while the
+previous materialization is in flight or not yet applied, and when nothing changed since
+the base. ``max_consecutive_failures`` failures in a row raise
+:class:`~materializer.errors.MaterializationFailuresExceededError`, which fails the task;
+a success resets the count. Until then a failure only means checkpoints keep referencing
+the older base and a longer log.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar
+
+from backends.snapshot import MaterializationSnapshot
+from dstl.errors import ConfigError
+from materializer.errors import MaterializationFailuresExceededError
+from materializer.materializer import MaterializationResult, MaterializationStats, Materializer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MaterializationOptions:
+    """Options of periodic materialization.
+
+    Dotted keys (see :meth:`from_dict`): ``materialization.interval-s``,
+    ``materialization.max-consecutive-failures``.
+    """
+
+    interval_s: float = 5.0
+    max_consecutive_failures: int = 3
+
+    KEYS: ClassVar[dict[str, tuple[str, type]]] = {
+        "materialization.interval-s": ("interval_s", float),
+        "materialization.max-consecutive-failures": ("max_consecutive_failures", int),
+    }
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ConfigError("materialization.interval-s must be > 0")
+        if self.max_consecutive_failures < 1:
+            raise ConfigError("materialization.max-consecutive-failures must be >= 1")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, str | int | float]) -> MaterializationOptions:
+        """Parse documented dotted keys; unknown keys are a :class:`ConfigError`."""
+        kwargs: dict[str, int | float] = {}
+        for key, raw in values.items():
+            if key not in cls.KEYS:
+                raise ConfigError(
+                    f"unknown materialization option {key!r}; known: {sorted(cls.KEYS)}"
+                )
+            name, typ = cls.KEYS[key]
+            try:
+                kwargs[name] = typ(raw)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"option {key!r}: cannot parse {raw!r}") from exc
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    mat_id: int
+    result: MaterializationResult | None
+    error: BaseException | None
+
+
+class MaterializationScheduler:
+    """Runs a :class:`Materializer` periodically for its backend's task thread.
+
+    Task thread only: :meth:`tick`, :meth:`poll`, :meth:`run_once`, :meth:`close` and every
+    counter. The upload runs on the executor (by default one it owns: a single named
+    thread ``materialize-<name>``, joined by :meth:`close`); it only touches the
+    materializer's upload path and the result queue. Invariant: at most one
+    materialization is in flight, from the snapshot until :meth:`poll` applied or
+    counted it.
+    """
+
+    def __init__(
+        self,
+        materializer: Materializer,
+        options: MaterializationOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: Callable[[], float] = random.random,
+        name: str = "materializer",
+        executor: Executor | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.materializer = materializer
+        self.options = options or MaterializationOptions()
+        self._clock = clock
+        self._owned = executor is None
+        self._executor: Executor = executor or ThreadPoolExecutor(
+            1, thread_name_prefix=f"materialize-{name}"
+        )
+        self._on_ready = on_ready
+        self._results: queue.Queue[_Outcome] = queue.Queue()
+        self._in_flight: Future[None] | None = None
+        self._failed: MaterializationFailuresExceededError | None = None
+        self._closed = False
+        self.next_due = clock() + self.options.interval_s * (0.5 + 0.5 * rng())
+        self.consecutive_failures = 0
+        self.started = 0
+        self.applied = 0
+        self.failed = 0
+        self.skipped_unchanged = 0
+        self.skipped_in_flight = 0
+        self.last_applied: MaterializationStats | None = None
+
+    def __enter__(self) -> MaterializationScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a materialization was started and not yet applied or counted."""
+        return self._in_flight is not None
+
+    # -- the steps ----------------------------------------------------------------------
+    def tick(self, now: float) -> bool:
+        """Start a materialization if one is due; True if it started.
+
+        Raises :class:`MaterializationFailuresExceededError` once the budget is spent.
+        """
+        self._check()
+        if now < self.next_due:
+            return False
+        self.next_due = now + self.options.interval_s
+        if self._in_flight is not None:
+            self.skipped_in_flight += 1
+            log.debug("materialization skipped: previous one in flight")
+            return False
+        if not self.materializer.backend.changed_since_materialization():
+            self.skipped_unchanged += 1
+            log.debug("materialization skipped: nothing changed")
+            return False
+        try:
+            mat_id, snapshot = self.materializer.snapshot()
+        except Exception as exc:  # the synchronous part failed: counts like a failed upload
+            self._count_failure(exc)
+            return False
+        self.started += 1
+        self._in_flight = self._executor.submit(self._upload, mat_id, snapshot)
+        return True
+
+    def poll(self) -> MaterializationResult | None:
+        """Apply a finished materialization to the backend; None if none finished.
+
+        Raises :class:`MaterializationFailuresExceededError` once the budget is spent.
+        """
+        self._check()
+        try:
+            outcome = self._results.get_nowait()
+        except queue.Empty:
+            return None
+        self._in_flight = None
+        if outcome.error is not None or outcome.result is None:
+            assert outcome.error is not None
+            self._count_failure(outcome.error)
+            return None
+        result = outcome.result
+        backend = self.materializer.backend
+        backend.materialization_done(result.handle)
+        if result.handle not in backend.base:  # ignored as older than the base
+            self.materializer.discard(result)
+            return None
+        self.consecutive_failures = 0
+        self.applied += 1
+        self.last_applied = result.stats
+        return result
+
+    def run_once(self) -> MaterializationResult | None:
+        """:meth:`poll`, then :meth:`tick` at the clock's now: one turn of the task loop."""
+        result = self.poll()
+        self.tick(self._clock())
+        return result
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the in-flight upload finished (its result is then ready for
+        :meth:`poll`); True if nothing is left running. For tests and shutdown."""
+        fut = self._in_flight
+        if fut is None:
+            return True
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Wait for the in-flight upload, stop the owned executor, discard unapplied results.
+
+        A result that was uploaded but not applied is referenced by nothing: its new files
+        are deleted. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._owned:
+            self._executor.shutdown(wait=True)
+        elif self._in_flight is not None:
+            self.wait()
+        while True:
+            try:
+                outcome = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if outcome.result is not None:
+                self.materializer.discard(outcome.result)
+        self._in_flight = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> None:
+        """Upload thread: never raises; the outcome goes to the task thread's queue."""
+        try:
+            result = self.materializer.upload_result(mat_id, snapshot)
+        except BaseException as exc:
+            self._results.put(_Outcome(mat_id, None, exc))
+        else:
+            self._results.put(_Outcome(mat_id, result, None))
+        if self._on_ready is not None:
+            self._on_ready()
+
+    def _count_failure(self, exc: BaseException) -> None:
+        self.failed += 1
+        self.consecutive_failures += 1
+        log.warning(
+            "materialization failed consecutive=%d budget=%d error=%s",
+            self.consecutive_failures,
+            self.options.max_consecutive_failures,
+            exc,
+        )
+        if self.consecutive_failures >= self.options.max_consecutive_failures:
+            self._failed = MaterializationFailuresExceededError(self.consecutive_failures, exc)
+            self._failed.__cause__ = exc
+            raise self._failed
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            raise ConfigError("the materialization scheduler is closed")

@@ -1,0 +1,201 @@
+"""Periodic materialization: jitter, skips, failure budget, thread hand-off. No sleeps."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from dstl.errors import ConfigError, StateBackendError
+from dstl.fileio import FileIO
+from materializer import (
+    MaterializationFailuresExceededError,
+    MaterializationOptions,
+    MaterializationScheduler,
+    Materializer,
+)
+from tests.materializer.fakes import FailingFileIO, LocalFilesBackend, ManualExecutor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _setup(
+    tmp_path: Path, fileio: FileIO | None = None, failures: int = 3
+) -> tuple[LocalFilesBackend, MaterializationScheduler, ManualExecutor, Clock]:
+    local = tmp_path / "db"
+    local.mkdir(exist_ok=True)
+    backend = LocalFilesBackend(str(local))
+    backend.write("sst-1", b"x" * 100)
+    backend.live = ["sst-1"]
+    clock = Clock()
+    mat = Materializer(backend, fileio or FileIO(str(tmp_path / "store")), "job", "op", 0, clock)
+    executor = ManualExecutor()
+    sched = MaterializationScheduler(
+        mat,
+        MaterializationOptions(interval_s=10.0, max_consecutive_failures=failures),
+        clock=clock,
+        rng=lambda: 0.5,
+        executor=executor,
+    )
+    return backend, sched, executor, clock
+
+
+def test_first_run_is_jittered_then_periodic(tmp_path: Path) -> None:
+    backend, sched, executor, _clock = _setup(tmp_path)
+    assert sched.next_due == 1000.0 + 10.0 * 0.75  # rng 0.5 -> 3/4 of the interval
+    assert not sched.tick(1007.4)
+    assert sched.tick(1007.5)
+    assert sched.in_flight and sched.next_due == 1017.5
+    assert sched.poll() is None  # the upload has not run yet
+    executor.run_all()
+    result = sched.poll()
+    assert result is not None and backend.base == (result.handle,)
+    assert not sched.in_flight and sched.applied == 1
+    assert sched.last_applied == result.stats
+
+
+def test_jitter_spreads_the_first_run(tmp_path: Path) -> None:
+    _, sched_lo, _, _ = _setup(tmp_path)
+    mat = sched_lo.materializer
+    sched_hi = MaterializationScheduler(
+        mat, MaterializationOptions(interval_s=10.0), clock=lambda: 0.0, rng=lambda: 0.999
+    )
+    sched_zero = MaterializationScheduler(
+        mat, MaterializationOptions(interval_s=10.0), clock=lambda: 0.0, rng=lambda: 0.0
+    )
+    with sched_hi, sched_zero:
+        assert sched_zero.next_due == 5.0
+        assert 9.99 < sched_hi.next_due < 10.0
+
+
+def test_skipped_while_in_flight_and_until_applied(tmp_path: Path) -> None:
+    backend, sched, executor, _clock = _setup(tmp_path)
+    assert sched.tick(1010.0)
+    assert not sched.tick(1020.0)  # previous still uploading
+    assert sched.skipped_in_flight == 1
+    executor.run_all()
+    assert not sched.tick(1030.0)  # uploaded but not yet applied (poll not called)
+    assert sched.skipped_in_flight == 2
+    assert sched.poll() is not None
+    backend.changed = True
+    assert sched.tick(1040.0)
+
+
+def test_skipped_when_nothing_changed(tmp_path: Path) -> None:
+    backend, sched, _executor, _clock = _setup(tmp_path)
+    backend.changed = False
+    assert not sched.tick(1010.0)
+    assert sched.skipped_unchanged == 1 and sched.next_due == 1020.0
+    backend.changed = True
+    assert sched.tick(1020.0)
+
+
+def test_failure_budget_fails_the_task(tmp_path: Path) -> None:
+    failing = FailingFileIO(str(tmp_path / "store"), fail_on=0)
+    backend, sched, executor, _clock = _setup(tmp_path, failing, failures=3)
+    now = 1010.0
+    # two failures, then a success resets the count
+    for _ in range(2):
+        failing.fail_on = failing.calls + 1
+        assert sched.tick(now)
+        executor.run_all()
+        assert sched.poll() is None
+        now += 10
+    assert sched.consecutive_failures == 2 and backend.base == ()
+    assert sched.tick(now)
+    executor.run_all()
+    assert sched.poll() is not None and sched.consecutive_failures == 0
+    backend.changed = True
+    # three in a row: the third raises a clear error, and keeps raising
+    for i in range(3):
+        now += 10
+        backend.write("sst-1", f"version {i}".encode())  # a new file to upload
+        failing.fail_on = failing.calls + 1
+        assert sched.tick(now)
+        executor.run_all()
+        if i < 2:
+            assert sched.poll() is None
+    with pytest.raises(MaterializationFailuresExceededError, match="3 times in a row") as info:
+        sched.poll()
+    assert isinstance(info.value, StateBackendError)
+    assert info.value.failures == 3
+    with pytest.raises(MaterializationFailuresExceededError):
+        sched.tick(now + 100)
+
+
+def test_snapshot_failure_counts_against_the_budget(tmp_path: Path) -> None:
+    backend, sched, _executor, _clock = _setup(tmp_path, failures=1)
+
+    def broken() -> None:
+        raise OSError("disk gone")
+
+    backend.snapshot_for_materialization = broken  # type: ignore[assignment,method-assign]
+    with pytest.raises(MaterializationFailuresExceededError, match="disk gone"):
+        sched.tick(1010.0)
+
+
+def test_owned_thread_is_named_and_results_come_back_to_the_task_thread(
+    tmp_path: Path,
+) -> None:
+    local = tmp_path / "db"
+    local.mkdir()
+    backend = LocalFilesBackend(str(local))
+    backend.write("sst-1", b"x")
+    backend.live = ["sst-1"]
+    clock = Clock()
+    ready = threading.Event()
+    upload_threads: list[str] = []
+    mat = Materializer(backend, FileIO(str(tmp_path / "store")), "job", "op", 0, clock)
+    original = mat.upload_result
+
+    def spy(mat_id, snap):  # type: ignore[no-untyped-def]
+        upload_threads.append(threading.current_thread().name)
+        return original(mat_id, snap)
+
+    mat.upload_result = spy  # type: ignore[method-assign]
+    with MaterializationScheduler(
+        mat,
+        MaterializationOptions(interval_s=1.0),
+        clock=clock,
+        rng=lambda: 0.0,
+        name="op-0",
+        on_ready=ready.set,
+    ) as sched:
+        clock.now += 1
+        assert sched.run_once() is None  # starts one
+        assert ready.wait(30)
+        result = sched.poll()
+        assert result is not None and backend.base == (result.handle,)
+    assert upload_threads[0].startswith("materialize-op-0")
+    assert not any(t.name.startswith("materialize-op-0") for t in threading.enumerate())
+
+
+def test_close_discards_an_unapplied_result(tmp_path: Path) -> None:
+    backend, sched, executor, _clock = _setup(tmp_path)
+    assert sched.tick(1010.0)
+    executor.run_all()
+    fileio = sched.materializer.fileio
+    assert fileio.list("jobs/job/materialized")
+    sched.close()
+    assert fileio.list("jobs/job/materialized") == []  # nothing references them
+    assert backend.base == ()
+    with pytest.raises(ConfigError):
+        sched.tick(2000.0)
+
+
+def test_options_from_dotted_keys() -> None:
+    opts = MaterializationOptions.from_dict(
+        {"materialization.interval-s": "2.5", "materialization.max-consecutive-failures": 5}
+    )
+    assert opts == MaterializationOptions(2.5, 5)
+    with pytest.raises(ConfigError, match="unknown"):
+        MaterializationOptions.from_dict({"materialization.intervall": 1})
+    with pytest.raises(ConfigError):
+        MaterializationOptions(interval_s=0)

@@ -1,0 +1,184 @@
+"""Materialization: bytes uploaded per materialization follow the change, not the state.
+
+A heap backend with the changelog on holds ``S`` keys (then ``10 S``); between two
+materializations it applies the same number of updates, either to a fixed hot set of
+keys (``hot``: most pieces stay unchanged and are shared) or uniformly over all keys
+(``uniform``: every piece changes, so a materialization re-uploads about everything:
+reported as it is; the changelog, not the materialization, is what keeps checkpoints
+flat then). Per case it reports the averages over the materializations after the first:
+new and total bytes and files, upload time; and, at a checkpoint taken right before a
+materialization (the largest log), the full checkpoint size (every referenced byte:
+materialized files + changelog segments) over the live state size (the state as one
+compact Parquet table per state): ``space_amplification``.
+
+Summary fields: ``new_bytes_ratio_10x_state`` (hot case: new bytes per materialization at
+10 S / at S; target <= 1.5), ``new_bytes_ratio_10x_state_uniform`` (the same for uniform
+updates, for honesty), ``space_amplification`` (the worst case of every run; target <=
+1.5). Default settings throughout (content-defined heap pieces of
+:data:`~materializer.heap_layout.DEFAULT_PIECE_ROWS` rows, default DSTL options).
+No RocksDB backend exists yet; when it does, add its cases here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from statistics import mean
+from typing import Any
+
+from backends import (
+    ChangelogKeyedStateBackend,
+    HeapKeyedStateBackend,
+    KeyGroupRange,
+    ValueStateDescriptor,
+)
+from backends.rocksdb import RocksDBKeyedStateBackend
+from backends.serializers import INT64, STR
+from backends.tables import table_for, table_to_parquet
+from dstl import ChangelogStorage, FileIO
+from materializer import Materializer
+
+COLUMNS: list[str] = [
+    "store",
+    "pattern",
+    "keys",
+    "updates",
+    "mats",
+    "bytes_new",
+    "bytes_total",
+    "files_new",
+    "files_shared",
+    "upload_ms",
+    "sync_ms",
+    "log_bytes",
+    "checkpoint_bytes",
+    "live_bytes",
+    "space_amp",
+]
+
+MAX_PAR = 128
+HOT_KEYS = 8
+CHECKPOINT_EVERY = 500  # updates between checkpoints, as a running job would take them
+
+
+def _key(i: int) -> str:
+    return f"user-{i:08d}"
+
+
+def _live_bytes(inner: Any) -> int:
+    """The state as one compact Parquet table per state (the denominator of space_amp)."""
+    total = 0
+    for name, meta in sorted(inner.state_metas().items()):
+        table: dict[int, dict[Any, Any]] = {}
+        for kg, key, value in inner.entries(name):
+            table.setdefault(kg, {})[key] = value
+        total += len(table_to_parquet(table_for(meta, inner.key_serializer, table)))
+    return total
+
+
+def _case(
+    store: str, pattern: str, keys: int, updates: int, rounds: int, seed: int
+) -> dict[str, Any]:
+    rnd = random.Random(seed)
+    hot = [rnd.randrange(keys) for _ in range(HOT_KEYS)]
+    with tempfile.TemporaryDirectory(prefix="bench-mat-") as root:
+        fileio = FileIO(os.path.join(root, "store"))
+        inner: Any = (
+            HeapKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR)
+            if store == "heap"
+            else RocksDBKeyedStateBackend(
+                STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=os.path.join(root, "local")
+            )
+        )
+        with ChangelogStorage(fileio, "bench", "w0") as storage:
+            backend = ChangelogKeyedStateBackend(inner, storage.create_writer("op-0"))
+            count = backend.get_state(ValueStateDescriptor("count", INT64))
+            profile = backend.get_state(ValueStateDescriptor("profile", STR))
+            for i in range(keys):
+                backend.set_current_key(_key(i))
+                count.update(i)
+                profile.update(f"profile of user {i}: {rnd.getrandbits(64):016x}")
+            cid = 1
+            backend.checkpoint(cid).result()  # a running job checkpoints before materializing
+            mat = Materializer(backend, fileio, "bench", "op", 0)
+            mat.materialize_now()  # the initial full upload: not counted
+            stats = []
+            amps: list[tuple[int, int, int]] = []
+            for r in range(rounds):
+                for u in range(updates):
+                    i = rnd.choice(hot) if pattern == "hot" else rnd.randrange(keys)
+                    backend.set_current_key(_key(i))
+                    count.update((count.value() or 0) + 1)
+                    if u % 4 == 0:
+                        profile.update(f"profile of user {i}: round {r} update {u}")
+                    if (u + 1) % CHECKPOINT_EVERY == 0:
+                        cid += 1
+                        handle = backend.checkpoint(cid).result()
+                # ``handle``: the checkpoint right before materializing (the longest log)
+                mat_bytes = sum(f.size_bytes for m in handle.materialized for f in m.state_files)
+                log_bytes = sum({c.location: c.size_bytes for c in handle.changelog}.values())
+                live = _live_bytes(inner)
+                amps.append((mat_bytes + log_bytes, log_bytes, live))
+                mat.materialize_now()
+                assert mat.last_stats is not None
+                stats.append(mat.last_stats)
+        if store != "heap":
+            inner.close()
+    worst = max(amps, key=lambda a: a[0] / a[2])
+    return {
+        "store": store,
+        "pattern": pattern,
+        "keys": keys,
+        "updates": updates,
+        "mats": len(stats),
+        "bytes_new": round(mean(s.bytes_new for s in stats)),
+        "bytes_total": round(mean(s.bytes_total for s in stats)),
+        "files_new": round(mean(s.files_new for s in stats), 1),
+        "files_shared": round(mean(s.files_shared for s in stats), 1),
+        "upload_ms": round(mean(s.duration_s for s in stats) * 1e3, 1),
+        "sync_ms": round(mean(s.sync_duration_s for s in stats) * 1e3, 1),
+        "log_bytes": worst[1],
+        "checkpoint_bytes": worst[0],
+        "live_bytes": worst[2],
+        "space_amp": round(worst[0] / worst[2], 3),
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Hot and uniform updates at state S and 10 S, heap and RocksDB; new-byte ratios."""
+    keys = 40_000 if quick else 100_000
+    updates = 2_000  # a multiple of CHECKPOINT_EVERY
+    rounds = 2 if quick else 4
+    # RocksDB's new bytes follow its compactions, not the update pattern: --quick runs
+    # only its hot case. It runs twice the rounds so at least one L0->L1 compaction shows.
+    plan = [("heap", "hot"), ("heap", "uniform"), ("rocksdb", "hot")]
+    if not quick:
+        plan.append(("rocksdb", "uniform"))
+    cases = [
+        _case(store, pattern, n, updates, rounds if store == "heap" else 2 * rounds, seed=7)
+        for store, pattern in plan
+        for n in (keys, 10 * keys)
+    ]
+    by = {(c["store"], c["pattern"], c["keys"]): c for c in cases}
+
+    def ratio(store: str, pattern: str) -> float:
+        small, big = by[(store, pattern, keys)], by[(store, pattern, 10 * keys)]
+        return round(big["bytes_new"] / max(small["bytes_new"], 1), 3)
+
+    return {
+        "cases": cases,
+        "new_bytes_ratio_10x_state": ratio("heap", "hot"),
+        "new_bytes_ratio_10x_state_uniform": ratio("heap", "uniform"),
+        "new_bytes_ratio_10x_state_rocksdb": ratio("rocksdb", "hot"),
+        **(
+            {}
+            if quick
+            else {"new_bytes_ratio_10x_state_rocksdb_uniform": ratio("rocksdb", "uniform")}
+        ),
+        "space_amplification": max(c["space_amp"] for c in cases if c["store"] == "heap"),
+        "space_amplification_rocksdb": max(
+            c["space_amp"] for c in cases if c["store"] == "rocksdb"
+        ),
+        "hot_keys": HOT_KEYS,
+    }
