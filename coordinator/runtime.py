@@ -17,18 +17,18 @@ replays before any new input.
 from __future__ import annotations
 
 import logging
+import os
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
 
 from backends.changelog import ChangelogKeyedStateBackend
-from backends.handles import KeyedStateHandle, MaterializationHandle
+from backends.handles import KeyedStateHandle
 from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import (
     DEFAULT_MAX_PARALLELISM,
@@ -37,6 +37,7 @@ from backends.keygroups import (
     subtask_for_key_group,
 )
 from backends.restore import restore_changelog_backend
+from backends.rocksdb import RocksDBKeyedStateBackend
 from backends.serializers import Serializer
 from backends.state import StateDescriptor
 from coordinator.channel_state import (
@@ -61,10 +62,15 @@ from dstl.errors import (
     ConfigError,
     JobFailedError,
     MetadataStoreError,
-    StateBackendError,
 )
 from dstl.fileio import FileIO
-from materializer.materializer import Materializer
+from materializer import (
+    FullSnapshotCheckpointer,
+    MaterializationOptions,
+    MaterializationScheduler,
+    Materializer,
+    restore_full_backend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +145,9 @@ class RuntimeOptions:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     changelog: ChangelogOptions = field(default_factory=ChangelogOptions)
     materialization_interval_s: float = 5.0
+    changelog_enabled: bool = True  # False: every checkpoint is a full (shared-file) snapshot
+    state_backend: str = "heap"  # "heap" (dicts) or "rocksdb" (rocksdict, under local_dir)
+    local_dir: str | None = None  # working directories of RocksDB stores (default: temp)
     source_batch: int = 256
     worker: str = "w0"
     barrier_mode: BarrierMode = BarrierMode.ALIGNED  # dotted key: checkpoint.barrier-mode
@@ -146,6 +155,8 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.materialization_interval_s <= 0 or self.source_batch < 1:
             raise ConfigError("materialization interval and source batch must be positive")
+        if self.state_backend not in ("heap", "rocksdb"):
+            raise ConfigError(f"state.backend must be heap or rocksdb, not {self.state_backend!r}")
         try:
             BarrierMode(self.barrier_mode)
         except ValueError as exc:
@@ -172,12 +183,6 @@ class _Notify:
     checkpoint_id: int
     completed: bool
     known_abort: bool = False  # an abort whose record surely did not land
-
-
-@dataclass(frozen=True, slots=True)
-class _MaterializationDone:
-    handle: MaterializationHandle | None
-    error: BaseException | None
 
 
 class _Stop:
@@ -386,7 +391,7 @@ class EmbeddedRuntime:
             latest.checkpoint_id if latest else None,
             restore_s,
             coordinator.completed,
-            sum(op.backend.inner.entry_count() for op in operators),
+            sum(op.final_entries for op in operators),
             sum(op.materializations for op in operators),
         )
 
@@ -511,31 +516,61 @@ class _OperatorTask:
         self.sink_gate = sink_gate
         self.coordinator: CheckpointCoordinator | None = None
         kgr = KeyGroupRange.for_subtask(subtask, spec.parallelism, spec.max_parallelism)
-        inner = HeapKeyedStateBackend(spec.key_serializer, kgr, spec.max_parallelism)
-        writer = storage.create_writer(f"{spec.name}-{subtask}-a{attempt:04d}")
-        self.backend = ChangelogKeyedStateBackend(inner, writer)
-        if latest is not None:
-            handles = [
+        backend_id = f"{spec.name}-{subtask}-a{attempt:04d}"
+        inner: HeapKeyedStateBackend | RocksDBKeyedStateBackend
+        if rt.options.state_backend == "rocksdb":
+            local = rt.options.local_dir
+            path = None if local is None else os.path.join(local, rt.pipeline.job_id, backend_id)
+            inner = RocksDBKeyedStateBackend(
+                spec.key_serializer, kgr, spec.max_parallelism, path=path
+            )
+        else:
+            inner = HeapKeyedStateBackend(spec.key_serializer, kgr, spec.max_parallelism)
+        self.inner = inner
+        self.final_entries = 0
+        handles = (
+            []
+            if latest is None
+            else [
                 h
                 for s in latest.states_of(spec.name)
                 for h in s.handles
                 if isinstance(h, KeyedStateHandle)
             ]
+        )
+        self.backend: ChangelogKeyedStateBackend | FullSnapshotCheckpointer
+        self.full: FullSnapshotCheckpointer | None = None
+        if rt.options.changelog_enabled:
+            self.backend = ChangelogKeyedStateBackend(inner, storage.create_writer(backend_id))
             restore_changelog_backend(self.backend, fileio, handles)
+        else:  # restores changelog and full checkpoints alike
+            self.backend = self.full = FullSnapshotCheckpointer(
+                inner, fileio, rt.pipeline.job_id, spec.name, subtask, backend_id, rt._clock
+            )
+            restore_full_backend(self.full, fileio, handles)
         self._fileio = fileio
         self._replay = _in_flight_of(fileio, latest, spec.name)
         self._unaligned: dict[int, tuple[Future[KeyedStateHandle], float]] = {}
-        self.materializer = Materializer(
-            self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt._clock
+        self.materializer = (
+            self.full.materializer
+            if self.full is not None
+            else Materializer(
+                self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt._clock
+            )
         )
         self.function = spec.function()
         self.function.open(self.backend)
-        interval = rt.options.materialization_interval_s
-        # A jittered first run spreads the subtasks' materializations apart.
-        self._next_materialization = rt._clock() + interval * (0.5 + random.random() / 2)
-        self._materializing = False
+        # Periodic, jittered, skipped when idle or in flight; fails the task after
+        # max_consecutive_failures failures in a row. Uploads on its own named thread.
+        self.materialization = MaterializationScheduler(
+            self.materializer,
+            MaterializationOptions(interval_s=rt.options.materialization_interval_s),
+            clock=rt._clock,
+            name=self.name,
+        )
         self.materializations = 0
-        self._uploader = ThreadPoolExecutor(1, thread_name_prefix=f"materialize-{self.name}")
+        self._reported_materialization = 0  # id of the last one put into checkpoint stats
+        self._materialization_stats: dict[str, Any] | None = None
 
     def run(self) -> None:
         try:
@@ -543,7 +578,11 @@ class _OperatorTask:
         except BaseException as exc:
             self.rt._fail(exc)
         finally:
-            self._uploader.shutdown(wait=True)
+            self.materialization.close()
+            if self.full is not None:
+                self.full.close()
+            self.final_entries = self.inner.entry_count()
+            self.inner.close()
 
     def _replay_in_flight(self) -> None:
         """Process the restored in-flight records of this subtask's key groups first."""
@@ -568,7 +607,8 @@ class _OperatorTask:
         set_key = backend.set_current_key
         process = function.process
         while True:
-            self._maybe_materialize()
+            if self.full is None and self.materialization.run_once() is not None:
+                self.materializations += 1
             item = self.gate.next(timeout=0.05)
             if item is None:
                 continue
@@ -588,6 +628,8 @@ class _OperatorTask:
                 self._checkpoint(element.checkpoint_id)
             elif isinstance(element, InFlightData):
                 self._in_flight_done(element)
+            elif isinstance(element, _Notify):
+                self._notified(element)
             elif isinstance(element, CancelledBarrier):
                 self._unaligned.pop(element.checkpoint_id, None)
                 assert self.coordinator is not None
@@ -596,21 +638,27 @@ class _OperatorTask:
                     (self.rt.pipeline.operator.name, self.subtask),
                     "alignment cancelled",
                 )
-            elif isinstance(element, _Notify):
-                if element.completed:
-                    backend.writer.confirm(element.checkpoint_id)
-                elif element.known_abort:
-                    backend.writer.reset(element.checkpoint_id)
-            elif isinstance(element, _MaterializationDone):
-                self._materializing = False
-                if element.handle is not None:
-                    backend.materialization_done(element.handle)
-                    self.materializations += 1
-                else:
-                    log.warning("materialization failed task=%s error=%s", self.name, element.error)
+
+    def _notified(self, message: _Notify) -> None:
+        if self.full is not None:
+            if message.completed:
+                self.full.notify_checkpoint_complete(message.checkpoint_id)
+            else:
+                self.full.notify_checkpoint_aborted(message.checkpoint_id)
+        elif isinstance(self.backend, ChangelogKeyedStateBackend):
+            if message.completed:
+                self.backend.writer.confirm(message.checkpoint_id)
+            elif message.known_abort:
+                self.backend.writer.reset(message.checkpoint_id)
 
     def _checkpoint(self, checkpoint_id: int) -> None:
         started = time.monotonic()
+        mat = self.materialization.last_applied if self.full is None else self.full.last_stats
+        if mat is not None and mat.materialization_id != self._reported_materialization:
+            self._reported_materialization = mat.materialization_id
+            self._materialization_stats = mat.to_dict()
+        else:
+            self._materialization_stats = None
         future = self.backend.checkpoint(checkpoint_id)
         self.sink_gate.put(self.subtask, Barrier(checkpoint_id))
         if self.gate.mode is BarrierMode.UNALIGNED:
@@ -647,6 +695,7 @@ class _OperatorTask:
         assert self.coordinator is not None
         coordinator = self.coordinator
         name = self.rt.pipeline.operator.name
+        mat_stats = self._materialization_stats  # read on the task thread
 
         def done(f: Future[KeyedStateHandle]) -> None:
             exc = f.exception()
@@ -656,30 +705,14 @@ class _OperatorTask:
             stats: dict[str, Any] = {"async_ms": round((time.monotonic() - started) * 1e3, 3)}
             if extra:
                 stats["in_flight_records"] = sum(h.records for h in extra)
+            if mat_stats is not None:  # the first checkpoint that references it
+                stats["materialization"] = mat_stats
             coordinator.acknowledge(
                 checkpoint_id,
                 SubtaskState(name, self.subtask, (f.result(), *extra), stats=stats),
             )
 
         future.add_done_callback(done)
-
-    def _maybe_materialize(self) -> None:
-        now = self.rt._clock()
-        if self._materializing or now < self._next_materialization:
-            return
-        self._next_materialization = now + self.rt.options.materialization_interval_s
-        self._materializing = True
-        mat_id, snapshot = self.materializer.snapshot()
-
-        def upload() -> None:
-            try:
-                handle = self.materializer.upload(mat_id, snapshot)
-            except StateBackendError as exc:
-                self.gate.put_control(_MaterializationDone(None, exc))
-                return
-            self.gate.put_control(_MaterializationDone(handle, None))
-
-        self._uploader.submit(upload)
 
 
 class _SinkTask:

@@ -47,6 +47,8 @@ def worker(args: argparse.Namespace) -> int:
         store_url=store_dir,
         checkpoint=CheckpointOptions(interval_s=args.checkpoint_interval, retain=2),
         materialization_interval_s=args.materialization_interval,
+        state_backend=args.state_backend,
+        changelog_enabled=args.changelog == "on",
     )
 
     def on_checkpoint(cp: CompletedCheckpoint) -> None:
@@ -125,6 +127,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "--rate", str(args.rate),
         "--checkpoint-interval", str(args.checkpoint_interval),
         "--materialization-interval", str(args.materialization_interval),
+        "--state-backend", args.state_backend,
+        "--changelog", args.changelog,
     ]  # fmt: skip
     started = time.monotonic()
     first, code1 = _run_worker(base, kill_after=args.kill_after)
@@ -199,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--materialization-interval", type=float, default=3.0)
     parser.add_argument(
         "--kill-after", type=int, default=3, help="completed checkpoints before the kill"
+    )
+    parser.add_argument("--state-backend", choices=["heap", "rocksdb"], default="heap")
+    parser.add_argument(
+        "--changelog",
+        choices=["on", "off"],
+        default="on",
+        help="off: every checkpoint is a full snapshot",
     )
     return parser
 
