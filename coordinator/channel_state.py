@@ -55,14 +55,6 @@ class ChannelStateHandle:
         return [self.location]
 
 
-def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:
-    """Where a subtask's channel state for one checkpoint lives (below the job prefix)."""
-    return (
-        f"{layout.job_prefix(job)}/channel-state/{layout.check_name('operator', operator)}/"
-        f"{subtask:04x}/{checkpoint_id:016x}.bin"
-    )
-
-
 def write_channel_state(
     fileio: FileIO,
     job: str,
@@ -74,7 +66,7 @@ def write_channel_state(
     """Durably write the in-flight batches (write-once) and return their handle."""
     body = pickle.dumps(list(batches), protocol=pickle.HIGHEST_PROTOCOL)
     data = _MAGIC + struct.pack(">I", zlib.crc32(body)) + body
-    path = channel_state_path(job, operator, subtask, checkpoint_id)
+    path = layout.channel_state_path(job, operator, subtask, checkpoint_id)
     fileio.write_new(path, data)
     records = sum(len(b) if isinstance(b, list | tuple) else 1 for b in batches)
     return ChannelStateHandle(

@@ -20,11 +20,6 @@ from dstl.errors import ConfigError, StorageConflictError, StorageError
 from dstl.fileio import FileIO
 
 
-def savepoint_prefix(job: str, checkpoint_id: int) -> str:
-    """The directory (relative to the store root) that holds one savepoint's files."""
-    return f"savepoints/{layout.check_name('job', job)}/{checkpoint_id:016x}"
-
-
 def rewrite_locations(value: Any, mapping: dict[str, str]) -> Any:
     """``value`` with every ``location`` field (nested in handles and tuples) mapped."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -51,7 +46,7 @@ def make_self_contained(fileio: FileIO, checkpoint: CompletedCheckpoint) -> Comp
     made so far are deleted (the record was never written, so nothing references them)
     and :class:`SavepointError` is raised.
     """
-    prefix = savepoint_prefix(checkpoint.job_id, checkpoint.checkpoint_id)
+    prefix = layout.savepoint_prefix(checkpoint.job_id, checkpoint.checkpoint_id)
     mapping: dict[str, str] = {}
     try:
         for url in checkpoint.files():

@@ -8,9 +8,12 @@ hex so that a listing sorts in numeric order. Paths are relative to the store ro
     metadata.db                                         (local stores: SQLite metadata)
     jobs/<job>/changelog/<worker>/<counter:016x>-<nonce>.parquet
     jobs/<job>/materialized/<operator>/<subtask:04x>/<mat:016x>-<nonce>/<state-file>
-    jobs/<job>/shared/<operator>/<subtask:04x>/<file-id>          (shared state files)
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>.jsonl
+    jobs/<job>/channel-state/<operator>/<subtask:04x>/<checkpoint:016x>.bin
     savepoints/<job>/<checkpoint:016x>/...
+
+A shared state file stays where the materialization that first uploaded it put it; later
+materializations reference it there (no copy, no separate "shared" directory).
 """
 
 from __future__ import annotations
@@ -77,3 +80,16 @@ def state_file_path(directory: str, name: str) -> str:
 def sink_transaction_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:
     """Staged (pre-committed) output of a transactional sink for one checkpoint."""
     return f"{job_prefix(job)}/sink/{check_name('operator', operator)}/{subtask:04x}/{checkpoint_id:016x}.jsonl"
+
+
+def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:
+    """In-flight records of an unaligned checkpoint for one subtask."""
+    return (
+        f"{job_prefix(job)}/channel-state/{check_name('operator', operator)}/"
+        f"{subtask:04x}/{checkpoint_id:016x}.bin"
+    )
+
+
+def savepoint_prefix(job: str, checkpoint_id: int) -> str:
+    """The directory that holds one self-contained savepoint's files."""
+    return f"savepoints/{check_name('job', job)}/{checkpoint_id:016x}"
