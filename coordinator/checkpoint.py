@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from coordinator.errors import CheckpointTriggerRejectedError, SavepointError
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
@@ -56,6 +56,7 @@ from dstl.errors import (
     StorageError,
 )
 from dstl.fileio import FileIO
+from dstl.options import Converter, parse_dotted
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,9 @@ _REMEMBERED_ABORTS = 1024
 
 @dataclass(frozen=True, slots=True)
 class CheckpointOptions:
-    """Checkpointing options. Dotted keys: ``checkpoint.interval-s``, ``checkpoint.timeout-s``,
-    ``checkpoint.min-pause-s``, ``checkpoint.max-concurrent``, ``checkpoint.retain``,
-    ``checkpoint.tolerable-failures``."""
+    """Checkpointing options. Dotted keys (see :meth:`from_dict`): ``checkpoint.interval-s``,
+    ``checkpoint.timeout-s``, ``checkpoint.min-pause-s``, ``checkpoint.max-concurrent``,
+    ``checkpoint.retain``, ``checkpoint.tolerable-failures``."""
 
     interval_s: float = 1.0
     timeout_s: float = 60.0
@@ -77,6 +78,20 @@ class CheckpointOptions:
     max_concurrent: int = 1
     retain: int = 1
     tolerable_failures: int = 3
+
+    KEYS: ClassVar[dict[str, tuple[str, Converter]]] = {
+        "checkpoint.interval-s": ("interval_s", float),
+        "checkpoint.timeout-s": ("timeout_s", float),
+        "checkpoint.min-pause-s": ("min_pause_s", float),
+        "checkpoint.max-concurrent": ("max_concurrent", int),
+        "checkpoint.retain": ("retain", int),
+        "checkpoint.tolerable-failures": ("tolerable_failures", int),
+    }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> CheckpointOptions:
+        """Parse documented dotted keys; unknown keys are a :class:`ConfigError`."""
+        return cls(**parse_dotted(cls.KEYS, values, "checkpoint"))
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.timeout_s <= 0 or self.min_pause_s < 0:

@@ -38,6 +38,7 @@ from typing import ClassVar
 
 from backends.snapshot import MaterializationSnapshot
 from dstl.errors import ConfigError
+from dstl.options import Converter, parse_dotted
 from materializer.errors import MaterializationFailuresExceededError
 from materializer.materializer import MaterializationResult, MaterializationStats, Materializer
 
@@ -55,7 +56,7 @@ class MaterializationOptions:
     interval_s: float = 5.0
     max_consecutive_failures: int = 3
 
-    KEYS: ClassVar[dict[str, tuple[str, type]]] = {
+    KEYS: ClassVar[dict[str, tuple[str, Converter]]] = {
         "materialization.interval-s": ("interval_s", float),
         "materialization.max-consecutive-failures": ("max_consecutive_failures", int),
     }
@@ -69,18 +70,7 @@ class MaterializationOptions:
     @classmethod
     def from_dict(cls, values: dict[str, str | int | float]) -> MaterializationOptions:
         """Parse documented dotted keys; unknown keys are a :class:`ConfigError`."""
-        kwargs: dict[str, int | float] = {}
-        for key, raw in values.items():
-            if key not in cls.KEYS:
-                raise ConfigError(
-                    f"unknown materialization option {key!r}; known: {sorted(cls.KEYS)}"
-                )
-            name, typ = cls.KEYS[key]
-            try:
-                kwargs[name] = typ(raw)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"option {key!r}: cannot parse {raw!r}") from exc
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**parse_dotted(cls.KEYS, values, "materialization"))
 
 
 @dataclass(frozen=True, slots=True)
