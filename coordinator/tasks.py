@@ -331,8 +331,10 @@ class OperatorTask:
         elif isinstance(self.backend, ChangelogKeyedStateBackend):
             if message.completed:
                 self.backend.writer.confirm(message.checkpoint_id)
+                self.materialization.on_checkpoint_complete(message.checkpoint_id)
             elif message.known_abort:
                 self.backend.writer.reset(message.checkpoint_id)
+                self.materialization.on_checkpoint_aborted(message.checkpoint_id)
 
     def _checkpoint(self, checkpoint_id: int) -> None:
         started = time.monotonic()
@@ -342,6 +344,8 @@ class OperatorTask:
             self._materialization_stats = mat.to_dict()
         else:
             self._materialization_stats = None
+        if self.full is None:
+            self.materialization.on_barrier(checkpoint_id)
         future = self.backend.checkpoint(checkpoint_id)
         self.sink_gate.put(self.subtask, Barrier(checkpoint_id))
         if self.gate.mode is BarrierMode.UNALIGNED:

@@ -335,6 +335,10 @@ class Materializer:
         with self._lock:
             self._pending.pop(mat_id, None)
 
+    def delete_files(self, urls: list[str]) -> None:
+        """Best-effort delete of files this materializer uploaded and nothing references."""
+        self._delete(urls)
+
     def _delete(self, urls: list[str]) -> None:
         for url in urls:
             try:

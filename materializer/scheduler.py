@@ -121,6 +121,12 @@ class MaterializationScheduler:
         self.skipped_unchanged = 0
         self.skipped_in_flight = 0
         self.last_applied: MaterializationStats | None = None
+        # Release of bases no checkpoint will ever reference (see on_barrier).
+        self._base: MaterializationResult | None = None
+        self._committed: set[int] = set()  # materialization ids a completed checkpoint holds
+        self._claims: dict[int, MaterializationResult] = {}  # pending checkpoint -> its base
+        self._retired: list[MaterializationResult] = []  # replaced bases still claimed
+        self.released_files = 0
 
     def __enter__(self) -> MaterializationScheduler:
         return self
@@ -184,7 +190,56 @@ class MaterializationScheduler:
         self.consecutive_failures = 0
         self.applied += 1
         self.last_applied = result.stats
+        if self._base is not None:
+            self._retired.append(self._base)
+        self._base = result
+        self._release_garbage()
         return result
+
+    # -- which bases a checkpoint references (task thread) ---------------------------------
+    def on_barrier(self, checkpoint_id: int) -> None:
+        """Checkpoint ``checkpoint_id`` references the current base from now on.
+
+        Call at the barrier, before the backend's checkpoint. Together with
+        :meth:`on_checkpoint_complete` / :meth:`on_checkpoint_aborted` this lets a base that
+        was replaced before any completed checkpoint referenced it be deleted at once,
+        instead of waiting for the orphan sweep: once a completed checkpoint references a
+        base, the metadata store's reference counts own its files.
+        """
+        if self._base is not None and self._base.handle.materialization_id not in self._committed:
+            self._claims[checkpoint_id] = self._base
+
+    def on_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """A checkpoint's record committed: its base belongs to the metadata store now.
+
+        Pending checkpoints older than it are subsumed: they will never complete.
+        """
+        for cid in [c for c in self._claims if c <= checkpoint_id]:
+            result = self._claims.pop(cid)
+            if cid == checkpoint_id:
+                self._committed.add(result.handle.materialization_id)
+        self._release_garbage()
+
+    def on_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        """A checkpoint surely did not commit (never call this on an unknown outcome)."""
+        self._claims.pop(checkpoint_id, None)
+        self._release_garbage()
+
+    def _release_garbage(self) -> None:
+        keep = set(self._base.handle.files()) if self._base is not None else set()
+        claimed = {r.handle.materialization_id for r in self._claims.values()}
+        still: list[MaterializationResult] = []
+        for old in self._retired:
+            mat_id = old.handle.materialization_id
+            if mat_id in self._committed:
+                continue  # reference counting owns it
+            if mat_id in claimed:
+                still.append(old)
+                continue
+            garbage = [f for f in old.new_files if f not in keep]
+            self.released_files += len(garbage)
+            self.materializer.delete_files(garbage)
+        self._retired = still
 
     def run_once(self) -> MaterializationResult | None:
         """:meth:`poll`, then :meth:`tick` at the clock's now: one turn of the task loop."""
@@ -225,6 +280,12 @@ class MaterializationScheduler:
             if outcome.result is not None:
                 self.materializer.discard(outcome.result)
         self._in_flight = None
+        # A base applied after the last barrier is referenced by nothing and never will be
+        # (unless a pending checkpoint claims it: its outcome is unknown here, so keep it).
+        if self._base is not None:
+            self._retired.append(self._base)
+            self._base = None
+        self._release_garbage()
 
     # -- internals ----------------------------------------------------------------------
     def _upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> None:

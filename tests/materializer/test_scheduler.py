@@ -199,3 +199,38 @@ def test_options_from_dotted_keys() -> None:
         MaterializationOptions.from_dict({"materialization.intervall": 1})
     with pytest.raises(ConfigError):
         MaterializationOptions(interval_s=0)
+
+
+def _materialize(sched: MaterializationScheduler, executor: ManualExecutor, clock: Clock) -> object:
+    clock.now = sched.next_due
+    assert sched.tick(clock.now)
+    executor.run_all()
+    result = sched.poll()
+    assert result is not None
+    return result
+
+
+def test_unreferenced_bases_are_released_claimed_ones_kept(tmp_path: Path) -> None:
+    backend, sched, executor, clock = _setup(tmp_path)
+    store = FileIO(str(tmp_path / "store"))
+    backend.changed = True
+    first = _materialize(sched, executor, clock)
+    sched.on_barrier(7)  # checkpoint 7 references the first base while it is pending
+    backend.write("sst-2", b"y" * 100)
+    backend.live = ["sst-2"]
+    backend.changed = True
+    second = _materialize(sched, executor, clock)
+    (old_file,) = first.new_files  # type: ignore[attr-defined]
+    assert store.exists(store.relative(old_file)), "claimed by a pending checkpoint"
+    sched.on_checkpoint_aborted(7)
+    assert not store.exists(store.relative(old_file)), "released once the claim is gone"
+    # A base a completed checkpoint holds is left to the metadata store's reference counts.
+    sched.on_barrier(8)
+    sched.on_checkpoint_complete(8)
+    backend.write("sst-3", b"z" * 100)
+    backend.live = ["sst-3"]
+    backend.changed = True
+    _materialize(sched, executor, clock)
+    (kept,) = second.new_files  # type: ignore[attr-defined]
+    assert store.exists(store.relative(kept))
+    sched.close()
