@@ -12,13 +12,17 @@ and returns a :class:`~backends.handles.KeyedStateHandle`.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
+import pyarrow as pa
+
 from backends.backend import KeyedStateBackend
-from backends.batch import prepare_batch
+from backends.batch import fixed8_binary, prepare_batch
 from backends.handles import KeyedStateHandle, MaterializationHandle
+from backends.heap import HeapKeyedStateBackend, Table
 from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, pack_list
 from backends.snapshot import MaterializationSnapshot
@@ -29,95 +33,155 @@ from dstl.handles import ChangelogHandle
 
 FLUSH_RECORDS = 1024  # a logged state hands its records to the writer every this many
 
-_CLEAR = Op.CLEAR
-_LIST_ADD = Op.LIST_ADD
-_LIST_SET = Op.LIST_SET
+_CLEAR = int(Op.CLEAR)
+_LIST_ADD = int(Op.LIST_ADD)
+_LIST_SET = int(Op.LIST_SET)
+_NO_OP = -1
+_SMALL_RUN = 32  # shorter runs go to the writer as Python lists (cheaper than Arrow)
+
+
+def _int64_column(values: list[bytes]) -> pa.Array | list[bytes]:
+    """``values`` (each ``INT64.serialize``'d, so 8 bytes) as a binary column, by one join."""
+    n = len(values)
+    if n < _SMALL_RUN:
+        return values
+    data = b"".join(values)
+    if len(data) != 8 * n:  # pragma: no cover - not INT64's bytes after all
+        return values
+    return fixed8_binary(n, pa.py_buffer(data))
+
+
+def _heap_table(backend: ChangelogKeyedStateBackend, meta: StateMeta) -> Table | None:
+    """The heap store's live dicts of ``meta`` (see :meth:`HeapKeyedStateBackend.raw_table`).
+
+    ``None`` when the inner store is not the heap. The per-record hot path writes them
+    directly instead of calling the heap's raw state: one Python call less per update;
+    tests/backends/test_changelog_fastpath.py checks that the fused path and the heap's
+    own methods leave identical state.
+    """
+    inner = backend.inner
+    return inner.raw_table(meta.name) if isinstance(inner, HeapKeyedStateBackend) else None
 
 
 class _Logged:
     """Base of logged raw states: a per-state, columnar buffer of change records.
 
     Appending to a few lists is the cheapest thing Python does per record (no tuple per
-    record, so no garbage-collector pressure); the buffer is handed to the writer with one
-    ``append_columns`` call per run of equal ops (:meth:`flush`) every
+    record, so no garbage-collector pressure). The op is not stored per record: the
+    buffer is a sequence of *runs* of one op (``_runs`` plus the open run ``_op`` from
+    ``_run_start``), each with its own value buffer. The buffer is handed to the writer
+    with one ``append_columns`` call per run (:meth:`flush`) every
     :data:`FLUSH_RECORDS` records and before anything that closes a change set
-    (checkpoint, materialization). Records of *different* states may reach the writer in
-    another order than they happened; records of one state never do, and replay is per
-    state, so the restored state is the same. Task thread only.
+    (checkpoint, materialization). Key groups are kept in an ``array('i')`` the writer
+    wraps without a copy. Records of *different* states may reach the writer in another
+    order than they happened; records of one state never do, and replay is per state, so
+    the restored state is the same. Task thread only.
     """
 
-    __slots__ = ("_backend", "_inner", "_keys", "_kgs", "_name", "_ops", "_uks", "_vals", "_writer")
+    __slots__ = (
+        "_backend",
+        "_inner",
+        "_int64_op",
+        "_keys",
+        "_kgs",
+        "_name",
+        "_op",
+        "_run_start",
+        "_runs",
+        "_uks",
+        "_vals",
+        "_writer",
+    )
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         self._backend = backend.inner
         self._inner = inner
         self._name = meta.name
         self._writer = backend.writer
-        self._ops: list[int] = []
+        self._op = _NO_OP
+        self._run_start = 0
+        self._runs: list[tuple[int, int, Any]] = []  # closed runs: (start, op, values)
         self._kgs: list[int] = []
+        self._int64_op = _NO_OP  # runs of this op hold INT64-serialized values only
         self._keys: list[bytes] = []
         self._vals: list[bytes | None] = []
         self._uks: list[bytes | None] | None = None
         backend._logged.append(self)
 
     def flush(self) -> None:
-        """Hand the buffered records to the writer, in order."""
-        ops = self._ops
-        if not ops:
+        """Hand the buffered runs to the writer, in order."""
+        keys = self._keys
+        if not keys:
             return
-        kgs, keys, vals, uks = self._kgs, self._keys, self._vals, self._uks
-        self._ops, self._kgs, self._keys, self._vals = [], [], [], []
+        kgs, uks, runs = self._kgs, self._uks, self._runs
+        runs.append((self._run_start, self._op, self._vals))
+        self._kgs, self._keys, self._runs, self._run_start, self._vals = [], [], [], 0, []
         if uks is not None:
             self._uks = []
         append = self._writer.append_columns
-        first = ops[0]
-        n = len(ops)
-        if ops.count(first) == n:
-            append(kgs, self._name, first, keys, vals, uks)
+        name = self._name
+        int64_op = self._int64_op
+        if len(runs) == 1:
+            op, vals = runs[0][1], runs[0][2]
+            column = _int64_column(vals) if op == int64_op else vals
+            # array('i') from a list is cheaper than Arrow's conversion; wrapped, not copied
+            append(array("i", kgs), name, op, keys, column, uks)
             return
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or ops[i] != ops[start]:
-                append(
-                    kgs[start:i],
-                    self._name,
-                    ops[start],
-                    keys[start:i],
-                    vals[start:i],
-                    None if uks is None else uks[start:i],
-                )
-                start = i
+        ends = [r[0] for r in runs[1:]] + [len(keys)]
+        for (start, op, vals), end in zip(runs, ends, strict=True):
+            column = _int64_column(vals) if op == int64_op else vals
+            append(
+                array("i", kgs[start:end]),
+                name,
+                op,
+                keys[start:end],
+                column,
+                None if uks is None else uks[start:end],
+            )
+
+    def _switch(self, op: int) -> None:
+        """Start a run of ``op`` (closing the open run if it has records)."""
+        n = len(self._keys)
+        if n > self._run_start:
+            self._runs.append((self._run_start, self._op, self._vals))
+            self._run_start = n
+        self._op = op
+        self._vals = []
 
     def clear(self) -> None:
         self._inner.clear()
         self._log(_CLEAR, None)
 
     def _log(self, op: int, value: bytes | None) -> None:
+        if self._op != op:
+            self._switch(op)
         b = self._backend
-        ops = self._ops
-        ops.append(op)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
         self._kgs.append(b.current_key_group)
-        self._keys.append(b.current_key_bytes)
         self._vals.append(value)
         if self._uks is not None:
             self._uks.append(None)
-        if len(ops) >= FLUSH_RECORDS:
+        if len(keys) >= FLUSH_RECORDS:
             self.flush()
 
 
 class _LoggedValueState(_Logged):
     """Raw value-like state that logs ``op`` (VALUE_SET or ACC_SET). Task thread only."""
 
-    __slots__ = ("_op", "_put_bytes", "_ser")
+    __slots__ = ("_put_bytes", "_ser", "_table", "_vop")
 
     def __init__(
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
         super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
-        self._op = op
+        self._vop = int(op)
         # Stores that keep bytes (RocksDB) take the bytes we serialize for the log.
         self._put_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
+        self._table = _heap_table(backend, meta)
+        if meta.raw_value_ser().name == "int64":
+            self._int64_op = self._vop
 
     def value(self) -> Any:
         return self._inner.value()
@@ -129,25 +193,57 @@ class _LoggedValueState(_Logged):
             self._inner.update(value)
         else:
             put(data)
+        op = self._vop
+        if self._op != op:
+            self._switch(op)
         b = self._backend
-        ops = self._ops
-        ops.append(self._op)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
         self._kgs.append(b.current_key_group)
-        self._keys.append(b.current_key_bytes)
         self._vals.append(data)
-        if len(ops) >= FLUSH_RECORDS:
+        if len(keys) >= FLUSH_RECORDS:
+            self.flush()
+
+
+class _LoggedHeapValueState(_LoggedValueState):
+    """:class:`_LoggedValueState` over the heap store: writes the heap's dicts itself.
+
+    One Python call less per update (see :func:`_heap_table`). Task thread only.
+    """
+
+    __slots__ = ()
+
+    def update(self, value: Any) -> None:
+        data = self._ser(value)  # first: a value it refuses changes nothing
+        b = self._backend
+        kg = b.current_key_group
+        try:
+            self._table[kg][b.current_key] = value  # type: ignore[index]
+        except KeyError:
+            self._table[kg] = {b.current_key: value}  # type: ignore[index]
+        op = self._vop
+        if self._op != op:
+            self._switch(op)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
+        self._kgs.append(kg)
+        self._vals.append(data)
+        if len(keys) >= FLUSH_RECORDS:
             self.flush()
 
 
 class _LoggedListState(_Logged):
     """Raw list state that logs LIST_ADD / LIST_SET / CLEAR. Task thread only."""
 
-    __slots__ = ("_add_bytes", "_ser")
+    __slots__ = ("_add_bytes", "_ser", "_table")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
+        self._table = _heap_table(backend, meta)
+        if meta.raw_value_ser().name == "int64":
+            self._int64_op = _LIST_ADD
 
     def get(self) -> list[Any]:
         return self._inner.get()
@@ -159,13 +255,14 @@ class _LoggedListState(_Logged):
             self._inner.add(value)
         else:
             add(data)
+        if self._op != _LIST_ADD:
+            self._switch(_LIST_ADD)
         b = self._backend
-        ops = self._ops
-        ops.append(_LIST_ADD)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
         self._kgs.append(b.current_key_group)
-        self._keys.append(b.current_key_bytes)
         self._vals.append(data)
-        if len(ops) >= FLUSH_RECORDS:
+        if len(keys) >= FLUSH_RECORDS:
             self.flush()
 
     def update(self, values: Iterable[Any]) -> None:
@@ -178,10 +275,40 @@ class _LoggedListState(_Logged):
         self._log(_LIST_SET, pack_list([ser(v) for v in items]))
 
 
+class _LoggedHeapListState(_LoggedListState):
+    """:class:`_LoggedListState` over the heap store: writes the heap's dicts itself.
+
+    One to two Python calls less per add (see :func:`_heap_table`). Task thread only.
+    """
+
+    __slots__ = ()
+
+    def add(self, value: Any) -> None:
+        data = self._ser(value)  # first: a value it refuses changes nothing
+        b = self._backend
+        kg = b.current_key_group
+        m = self._table.get(kg)  # type: ignore[union-attr]
+        if m is None:
+            m = self._table[kg] = {}  # type: ignore[index]
+        lst = m.get(b.current_key)
+        if lst is None:
+            m[b.current_key] = [value]
+        else:
+            lst.append(value)
+        if self._op != _LIST_ADD:
+            self._switch(_LIST_ADD)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
+        self._kgs.append(kg)
+        self._vals.append(data)
+        if len(keys) >= FLUSH_RECORDS:
+            self.flush()
+
+
 class _LoggedMapState(_Logged):
     """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only."""
 
-    __slots__ = ("_put_op", "_remove_op", "_uk", "_v")
+    __slots__ = ("_put_op", "_remove_op", "_table", "_uk", "_v")
 
     def __init__(
         self,
@@ -193,10 +320,12 @@ class _LoggedMapState(_Logged):
     ) -> None:
         super().__init__(backend, inner, meta)
         self._uks = []
-        self._uk = meta.user_key_ser().serialize
+        uk_ser = meta.user_key_ser()
+        self._uk: Callable[[Any], bytes] = str.encode if uk_ser.name == "str" else uk_ser.serialize
+        self._table = _heap_table(backend, meta)
         self._v = meta.raw_value_ser().serialize
-        self._put_op = put_op
-        self._remove_op = remove_op
+        self._put_op = int(put_op)
+        self._remove_op = int(remove_op)
 
     def get(self, user_key: Any) -> Any:
         return self._inner.get(user_key)
@@ -208,22 +337,45 @@ class _LoggedMapState(_Logged):
         return self._inner.items()
 
     def put(self, user_key: Any, value: Any) -> None:
-        self._inner.put(user_key, value)
-        self._log_entry(self._put_op, self._uk(user_key), self._v(value))
+        uk = self._uk(user_key)
+        data = self._v(value)
+        b = self._backend
+        kg = b.current_key_group
+        table = self._table
+        if table is not None:  # the heap's put, inlined
+            m = table.get(kg)
+            if m is None:
+                m = table[kg] = {}
+            entries = m.get(b.current_key)
+            if entries is None:
+                m[b.current_key] = {user_key: value}
+            else:
+                entries[user_key] = value
+        else:
+            self._inner.put(user_key, value)
+        op = self._put_op
+        if self._op != op:
+            self._switch(op)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
+        self._kgs.append(kg)
+        self._vals.append(data)
+        self._uks.append(uk)  # type: ignore[union-attr]
+        if len(keys) >= FLUSH_RECORDS:
+            self.flush()
 
     def remove(self, user_key: Any) -> None:
         self._inner.remove(user_key)
-        self._log_entry(self._remove_op, self._uk(user_key), None)
-
-    def _log_entry(self, op: int, user_key: bytes, value: bytes | None) -> None:
+        op = self._remove_op
+        if self._op != op:
+            self._switch(op)
         b = self._backend
-        ops = self._ops
-        ops.append(op)
+        keys = self._keys
+        keys.append(b.current_key_bytes)
         self._kgs.append(b.current_key_group)
-        self._keys.append(b.current_key_bytes)
-        self._vals.append(value)
-        self._uks.append(user_key)  # type: ignore[union-attr]
-        if len(ops) >= FLUSH_RECORDS:
+        self._vals.append(None)
+        self._uks.append(self._uk(user_key))  # type: ignore[union-attr]
+        if len(keys) >= FLUSH_RECORDS:
             self.flush()
 
 
@@ -323,16 +475,18 @@ class ChangelogKeyedStateBackend(Generic[B]):
         if logged is not None:
             return logged
         self._log_meta_once(meta.name)
+        heap = isinstance(self.inner, HeapKeyedStateBackend)
         if meta.kind is StateKind.LIST:
-            logged = _LoggedListState(self, raw, meta)
+            list_cls = _LoggedHeapListState if heap else _LoggedListState
+            logged = list_cls(self, raw, meta)
         elif meta.kind is StateKind.TIMER:
             logged = _LoggedMapState(self, raw, meta, Op.TIMER_REGISTER, Op.TIMER_DELETE)
         elif meta.kind in MAP_LIKE:
             logged = _LoggedMapState(self, raw, meta, Op.MAP_PUT, Op.MAP_REMOVE)
-        elif meta.kind is StateKind.VALUE:
-            logged = _LoggedValueState(self, raw, meta, Op.VALUE_SET)
         else:
-            logged = _LoggedValueState(self, raw, meta, Op.ACC_SET)
+            value_cls = _LoggedHeapValueState if heap else _LoggedValueState
+            op = Op.VALUE_SET if meta.kind is StateKind.VALUE else Op.ACC_SET
+            logged = value_cls(self, raw, meta, op)
         self._raw[meta.name] = logged
         return logged
 
@@ -375,11 +529,11 @@ class ChangelogKeyedStateBackend(Generic[B]):
             return
         uks = batch.user_key_bytes_with(meta.user_key_ser()) if batch.user_keys else None
         self.writer.append_columns(
-            batch.key_groups,
+            batch.key_groups if batch.key_group_array is None else batch.key_group_array,
             meta.name,
             batch.op,
             batch.key_bytes,
-            batch.value_bytes_with(meta.raw_value_ser()),
+            batch.value_column_with(meta.raw_value_ser()),
             uks,
         )
 

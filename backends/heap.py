@@ -288,6 +288,17 @@ class HeapKeyedStateBackend:
         """Every state declared or restored, by name."""
         return dict(self._metas)
 
+    def raw_table(self, name: str) -> Table:
+        """The live dicts of a registered state: ``table[key_group][key] -> raw value``.
+
+        For callers that write raw values themselves to save a call per record (the
+        changelog wrapper's hot path). Task thread only. Writers keep the layout the raw
+        states keep (see the module doc): a key group's dict exists only once it holds an
+        entry; a list state's value is a Python list, a map state's a dict. Raises
+        ``KeyError`` for a state never registered.
+        """
+        return self._tables[name]
+
     def internal_state(self, meta: StateMeta) -> Any:
         """The raw state of ``meta`` for replay and wrappers (no user descriptor needed)."""
         table = self._register(meta)

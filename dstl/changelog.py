@@ -26,7 +26,7 @@ not-yet-truncated range may still need it; closing deletes nothing.
 
 from __future__ import annotations
 
-import bisect
+import array
 import logging
 import queue
 import threading
@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 BLOCK_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "writer"])
 META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
+_SMALL_COLUMNS = 32  # append_columns of fewer rows adds them as single records
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,32 +132,29 @@ class ChangelogOptions:
 
 
 class ChangeBuffer:
-    """Columnar buffer of change records of one writer. Task thread only."""
+    """Buffer of change records of one writer. Task thread only.
 
-    __slots__ = ("key", "key_group", "nbytes", "op", "sqn", "state", "user_key", "value")
+    Records arrive either one at a time (:meth:`append`: metadata, tests) or as columns of
+    one state and operation (:meth:`add_columns`: the wrapper's flushes, the batch path).
+    Columns are converted to Arrow when they arrive and kept as *chunks* whose ``sqn``,
+    ``state`` and ``op`` are stored once, not per row: they are expanded to columns only
+    in :meth:`to_table`. Single records collect in plain lists, sealed into a chunk before
+    the next columns arrive, so the buffer keeps the order records were appended in.
+    """
+
+    __slots__ = ("_chunks", "_rows", "last_sqn", "nbytes", "rows")
 
     def __init__(self) -> None:
-        self.key_group: list[int] = []
-        self.sqn: list[int] = []
-        self.state: list[str] = []
-        self.op: list[int] = []
-        self.key: list[bytes] = []
-        self.user_key: list[bytes | None] = []
-        self.value: list[bytes | None] = []
+        # A chunk: (rows, nbytes, sqn, state, op, key_group, key, user_key, value) with
+        # Arrow columns (user_key None: all null), or (rows, nbytes, RecordBatch).
+        self._chunks: list[tuple[Any, ...]] = []
+        self._rows: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
         self.nbytes = 0
-
-    def drop_below(self, sqn: int) -> None:
-        """Forget the records with a sequence number below ``sqn`` (they are sorted)."""
-        cut = bisect.bisect_left(self.sqn, sqn)
-        if cut == 0:
-            return
-        total = len(self.sqn)
-        for name in ("key_group", "sqn", "state", "op", "key", "user_key", "value"):
-            del getattr(self, name)[:cut]
-        self.nbytes = self.nbytes * (total - cut) // total
+        self.rows = 0
+        self.last_sqn: int | None = None
 
     def __len__(self) -> int:
-        return len(self.sqn)
+        return self.rows
 
     def append(
         self,
@@ -168,31 +167,112 @@ class ChangeBuffer:
         value: bytes | None,
     ) -> None:
         """Add one record."""
-        self.key_group.append(key_group)
-        self.sqn.append(sqn)
-        self.state.append(state)
-        self.op.append(op)
-        self.key.append(key)
-        self.user_key.append(user_key)
-        self.value.append(value)
+        kgs, sqns, states, ops, keys, uks, vals = self._rows
+        kgs.append(key_group)
+        sqns.append(sqn)
+        states.append(state)
+        ops.append(op)
+        keys.append(key)
+        uks.append(user_key)
+        vals.append(value)
+        self.rows += 1
+        self.last_sqn = sqn
         self.nbytes += (
             24 + len(key) + (len(user_key) if user_key else 0) + (len(value) if value else 0)
         )
 
+    def add_columns(
+        self,
+        sqn: int,
+        state: str,
+        op: int,
+        key_groups: pa.Array,
+        keys: pa.Array,
+        user_keys: pa.Array | None,
+        values: pa.Array,
+    ) -> None:
+        """Add ``len(keys)`` records of one change set, state and operation."""
+        n = len(keys)
+        if not n:
+            return
+        self._seal_rows()
+        nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
+        if user_keys is not None:
+            nbytes += user_keys.nbytes
+        self._chunks.append((n, nbytes, sqn, state, op, key_groups, keys, user_keys, values))
+        self.rows += n
+        self.nbytes += nbytes
+        self.last_sqn = sqn
+
+    def _seal_rows(self) -> None:
+        rows = self._rows
+        if not rows[0]:
+            return
+        batch = pa.RecordBatch.from_arrays(
+            [pa.array(col, f.type) for col, f in zip(rows, BLOCK_SCHEMA, strict=True)],
+            schema=BLOCK_SCHEMA,
+        )
+        self._chunks.append((batch.num_rows, batch.nbytes, batch))
+        self._rows = ([], [], [], [], [], [], [])
+
+    def drop_below(self, sqn: int) -> None:
+        """Forget the records with a sequence number below ``sqn`` (they are sorted)."""
+        if self.last_sqn is None or not self.rows:
+            return
+        self._seal_rows()
+        kept: list[tuple[Any, ...]] = []
+        for chunk in self._chunks:
+            if len(chunk) == 3:
+                batch = chunk[2].filter(pc.greater_equal(chunk[2].column(1), sqn))
+                if batch.num_rows:
+                    kept.append((batch.num_rows, batch.nbytes, batch))
+            elif chunk[2] >= sqn:
+                kept.append(chunk)
+        self._chunks = kept
+        self.rows = sum(c[0] for c in kept)
+        self.nbytes = sum(c[1] for c in kept)
+
     def to_table(self) -> pa.Table:
         """The records as an Arrow table of :data:`BLOCK_SCHEMA`."""
+        self._seal_rows()
+        columns: list[list[pa.Array]] = [[] for _ in BLOCK_SCHEMA]
+        kg_c, sqn_c, state_c, op_c, key_c, uk_c, val_c = columns
+        for chunk in self._chunks:
+            if len(chunk) == 3:
+                for out, col in zip(columns, chunk[2].columns, strict=True):
+                    out.append(col)
+                continue
+            n, _, sqn, state, op, kgs, keys, uks, vals = chunk
+            kg_c.append(kgs)
+            sqn_c.append(pa.repeat(pa.scalar(sqn, pa.int64()), n))
+            state_c.append(pa.repeat(pa.scalar(state, pa.string()), n))
+            op_c.append(pa.repeat(pa.scalar(op, pa.int8()), n))
+            key_c.append(keys)
+            uk_c.append(pa.nulls(n, pa.binary()) if uks is None else uks)
+            val_c.append(vals)
         return pa.Table.from_arrays(
             [
-                pa.array(self.key_group, pa.int32()),
-                pa.array(self.sqn, pa.int64()),
-                pa.array(self.state, pa.string()),
-                pa.array(self.op, pa.int8()),
-                pa.array(self.key, pa.binary()),
-                pa.array(self.user_key, pa.binary()),
-                pa.array(self.value, pa.binary()),
+                pa.concat_arrays(col) if col else pa.array([], f.type)
+                for col, f in zip(columns, BLOCK_SCHEMA, strict=True)
             ],
             schema=BLOCK_SCHEMA,
         )
+
+
+def as_binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
+    """``values`` as an Arrow binary array (Arrow arrays pass through, cast if needed)."""
+    if isinstance(values, pa.Array):
+        return values if values.type == pa.binary() else values.cast(pa.binary())
+    return pa.array(values, pa.binary())
+
+
+def as_int32(values: Sequence[int] | pa.Array) -> pa.Array:
+    """Key groups as an Arrow int32 array; an ``array('i')`` is wrapped without a copy."""
+    if isinstance(values, pa.Array):
+        return values if values.type == pa.int32() else values.cast(pa.int32())
+    if isinstance(values, array.array) and values.typecode == "i" and values.itemsize == 4:
+        return pa.Array.from_buffers(pa.int32(), len(values), [None, pa.py_buffer(values)])
+    return pa.array(values, pa.int32())
 
 
 @dataclass(slots=True)
@@ -261,27 +341,47 @@ class ChangelogWriter:
 
     def append_columns(
         self,
-        key_groups: Sequence[int],
+        key_groups: Sequence[int] | pa.Array,
         state: str,
         op: int,
-        keys: Sequence[bytes],
-        values: Sequence[bytes | None],
-        user_keys: Sequence[bytes | None] | None = None,
+        keys: Sequence[bytes] | pa.Array,
+        values: Sequence[bytes | None] | pa.Array,
+        user_keys: Sequence[bytes | None] | pa.Array | None = None,
     ) -> None:
-        """Log many changes of one state and operation at once (the batch path)."""
+        """Log many changes of one state and operation at once (the batch path).
+
+        Columns may be Python sequences or Arrow arrays (binary, int32 key groups); an
+        ``array('i')`` of key groups is taken without a copy. The arrays must not be
+        changed afterwards (they are kept until uploaded).
+        """
         n = len(keys)
-        buffer = self._buffer
-        buffer.key_group.extend(key_groups)
-        buffer.sqn.extend([self._active_sqn] * n)
-        buffer.state.extend([state] * n)
-        buffer.op.extend([op] * n)
-        buffer.key.extend(keys)
-        buffer.user_key.extend(user_keys if user_keys is not None else [None] * n)
-        buffer.value.extend(values)
-        buffer.nbytes += sum(map(len, keys)) + sum(len(v) for v in values if v) + 24 * n
-        if user_keys is not None:
-            buffer.nbytes += sum(len(u) for u in user_keys if u)
-        if buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
+        if not n:
+            return
+        if (
+            len(key_groups) != n
+            or len(values) != n
+            or (user_keys is not None and len(user_keys) != n)
+        ):
+            raise ValueError("append_columns: columns differ in length")
+        if n < _SMALL_COLUMNS and not any(
+            isinstance(c, pa.Array) for c in (key_groups, keys, values, user_keys)
+        ):  # a short run: Python lists are cheaper than converting to Arrow
+            append = self._buffer.append
+            sqn = self._active_sqn
+            uks = user_keys if user_keys is not None else [None] * n
+            for kg, key, uk, value in zip(key_groups, keys, uks, values, strict=True):
+                append(kg, sqn, state, op, key, uk, value)
+        else:
+            self._buffer.add_columns(
+                self._active_sqn,
+                state,
+                op,
+                as_int32(key_groups),
+                as_binary(keys),
+                None if user_keys is None else as_binary(user_keys),
+                as_binary(values),
+            )
+        if self._buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
             self._submit_buffer()
 
     def last_appended_sqn(self) -> int | None:
@@ -290,7 +390,7 @@ class ChangelogWriter:
         Derived, not tracked per append, so the hot path pays nothing for it.
         """
         if len(self._buffer):
-            return self._buffer.sqn[-1]
+            return self._buffer.last_sqn
         if self._uploads:
             return self._uploads[-1].sqn_end - 1
         return None
@@ -300,7 +400,7 @@ class ChangelogWriter:
 
         Every record appended before has ``sqn <`` the result; every later one ``>=`` it.
         """
-        if len(self._buffer) and self._buffer.sqn[-1] == self._active_sqn:
+        if len(self._buffer) and self._buffer.last_sqn == self._active_sqn:
             self._active_sqn += 1
         elif self._uploads and self._uploads[-1].sqn_end > self._active_sqn:
             self._active_sqn = self._uploads[-1].sqn_end

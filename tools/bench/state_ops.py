@@ -6,6 +6,8 @@ is shared). ``changelog_overhead_ratio`` is the worst per-record case's on/off t
 ``batch_updates_per_s_heap`` is the heap store's value-state batch rate with the changelog
 on (``..._no_changelog`` without). The changelog's upload thread runs as in production
 (pre-emptive persists happen during the run); checkpoint time is not included.
+``changelog_bytes_per_change`` is the size of the segments a checkpoint uploads after the
+heap per-record workloads (value, list, map), divided by the records they hold.
 """
 
 from __future__ import annotations
@@ -107,6 +109,20 @@ def _measure(
         store.close()
 
 
+def _bytes_per_change(storage: ChangelogStorage, keys: list[str], values: list[int]) -> float:
+    """Uploaded segment bytes per change record, for the heap per-record workloads."""
+    store = _store("heap", "")
+    try:
+        backend = ChangelogKeyedStateBackend(store, storage.create_writer("bench-bytes"))
+        for state in DESCRIPTORS:
+            _per_record(backend, state, keys, values)
+        handles = backend.checkpoint(1).result().changelog
+    finally:
+        store.close()
+    sizes = {h.location: h.size_bytes for h in handles}
+    return sum(sizes.values()) / max(1, sum(h.rows for h in handles))
+
+
 def run(quick: bool) -> dict[str, Any]:
     """Run every case; see the module docstring for the summary fields."""
     scale = 1 if quick else 4
@@ -121,6 +137,7 @@ def run(quick: bool) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     tmp = tempfile.mkdtemp(prefix="bench-state-ops-")
     counter = [0]
+    bytes_per_change = 0.0
     try:
         fileio = FileIO(tmp + "/store")
         with ChangelogStorage(fileio, "bench", "w0") as storage:
@@ -162,6 +179,8 @@ def run(quick: bool) -> dict[str, Any]:
                                     else "",
                                 }
                             )
+                    if (kind, api) == ("heap", "per-record"):
+                        bytes_per_change = _bytes_per_change(storage, keys, values)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     per_record_on = [c for c in cases if c["api"] == "per-record" and c["changelog"] == "on"]
@@ -182,4 +201,5 @@ def run(quick: bool) -> dict[str, Any]:
         "batch_updates_per_s_heap": rate("heap", "value", "batch", "on"),
         "batch_updates_per_s_heap_no_changelog": rate("heap", "value", "batch", "off"),
         "batch_target_per_s": 1_000_000,
+        "changelog_bytes_per_change": round(bytes_per_change, 2),
     }
