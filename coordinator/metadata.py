@@ -217,6 +217,9 @@ class Retention:
     released: list[str]
 
 
+SCHEMA_LOCK = 0x5354_4154_4531  # PostgreSQL advisory lock key held while checking the schema
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -282,6 +285,10 @@ class MetadataStore:
 
     def _ensure_schema(self, create: bool) -> None:
         with self._tx() as conn:
+            if conn.dialect.name == "postgresql":
+                # Processes sharing a database open it at once: one creates or migrates
+                # the schema, the others wait here and then find it current.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK})
             insp = sa.inspect(conn)
             current = 0
             if insp.has_table("schema_version"):

@@ -175,3 +175,34 @@ def test_a_fresh_reader_decodes_every_coordinator_handle(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "2"
+
+
+def test_processes_opening_a_fresh_postgres_database_at_once_all_succeed(
+    postgres_url: str,
+) -> None:
+    """Concurrent first opens of a shared database create the schema exactly once."""
+    import threading
+
+    n = 6
+    gate = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def open_store() -> None:
+        gate.wait()
+        try:
+            MetadataStore(postgres_url).close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_store) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    store = MetadataStore(postgres_url)
+    try:
+        assert store.start_attempt("job") == 0
+        assert store.next_checkpoint_id("job") == 1
+    finally:
+        store.close()
