@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -12,11 +11,6 @@ from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.changelog import ChangelogOptions
 from dstl.errors import ConfigError, CorruptionError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
-
-
-@pytest.fixture
-def fileio(tmp_path: Any) -> FileIO:
-    return FileIO(str(tmp_path))
 
 
 @pytest.fixture

@@ -14,11 +14,6 @@ from dstl.changelog import BLOCK_SCHEMA, ChangelogOptions, ChangelogWriter
 
 
 @pytest.fixture
-def fileio(tmp_path: Any) -> FileIO:
-    return FileIO(str(tmp_path))
-
-
-@pytest.fixture
 def storage(fileio: FileIO) -> Iterator[ChangelogStorage]:
     with ChangelogStorage(fileio, "job", "w0", ChangelogOptions(batch_delay_s=0.01)) as st:
         yield st

@@ -18,11 +18,6 @@ from dstl.tracking import SegmentTracker
 
 
 @pytest.fixture
-def fileio(tmp_path: Path) -> FileIO:
-    return FileIO(str(tmp_path))
-
-
-@pytest.fixture
 def storage(fileio: FileIO) -> Iterator[ChangelogStorage]:
     st = ChangelogStorage(fileio, "job", "w0", ChangelogOptions(), start_thread=False)
     yield st
