@@ -268,6 +268,12 @@ class MetadataStore:
         """Release pooled connections."""
         self.engine.dispose()
 
+    def __enter__(self) -> MetadataStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
         try:
@@ -381,40 +387,7 @@ class MetadataStore:
             raise MetadataStoreError("retain must be >= 1")
         cp = checkpoint
         with self._tx() as conn:
-            conn.execute(
-                sa.insert(checkpoints).values(
-                    job_id=cp.job_id,
-                    checkpoint_id=cp.checkpoint_id,
-                    kind=cp.kind,
-                    triggered_at=cp.triggered_at,
-                    completed_at=cp.completed_at,
-                    source_offsets=json.dumps(cp.source_offsets, sort_keys=True),
-                    stats=json.dumps(cp.stats, sort_keys=True),
-                )
-            )
-            if cp.subtasks:
-                conn.execute(
-                    sa.insert(subtask_states),
-                    [
-                        {
-                            "job_id": cp.job_id,
-                            "checkpoint_id": cp.checkpoint_id,
-                            "operator": s.operator,
-                            "subtask": s.subtask,
-                            "state": s.to_json(),
-                        }
-                        for s in cp.subtasks
-                    ],
-                )
-            files = cp.files()
-            if files:
-                conn.execute(
-                    sa.insert(file_refs),
-                    [
-                        {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
-                        for f in files
-                    ],
-                )
+            self._insert(conn, cp)
             expired = [
                 int(r[0])
                 for r in conn.execute(
@@ -425,6 +398,55 @@ class MetadataStore:
                 )
             ]
             return Retention(tuple(sorted(expired)), self._remove(conn, cp.job_id, expired))
+
+    def record_savepoint(self, savepoint: CompletedCheckpoint) -> None:
+        """Record a savepoint made outside the coordinator (``statectl savepoint``).
+
+        One transaction, no retention: a savepoint never expires a checkpoint and is
+        never expired itself. Its id must come from :meth:`next_checkpoint_id`.
+        """
+        if savepoint.kind != "savepoint":
+            raise MetadataStoreError(f"record_savepoint: kind {savepoint.kind!r}")
+        with self._tx() as conn:
+            self._insert(conn, savepoint)
+
+    @staticmethod
+    def _insert(conn: Connection, cp: CompletedCheckpoint) -> None:
+        """Insert the rows of ``cp``: checkpoint, subtask states, file references."""
+        conn.execute(
+            sa.insert(checkpoints).values(
+                job_id=cp.job_id,
+                checkpoint_id=cp.checkpoint_id,
+                kind=cp.kind,
+                triggered_at=cp.triggered_at,
+                completed_at=cp.completed_at,
+                source_offsets=json.dumps(cp.source_offsets, sort_keys=True),
+                stats=json.dumps(cp.stats, sort_keys=True),
+            )
+        )
+        if cp.subtasks:
+            conn.execute(
+                sa.insert(subtask_states),
+                [
+                    {
+                        "job_id": cp.job_id,
+                        "checkpoint_id": cp.checkpoint_id,
+                        "operator": s.operator,
+                        "subtask": s.subtask,
+                        "state": s.to_json(),
+                    }
+                    for s in cp.subtasks
+                ],
+            )
+        files = cp.files()
+        if files:
+            conn.execute(
+                sa.insert(file_refs),
+                [
+                    {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
+                    for f in files
+                ],
+            )
 
     def _remove(self, conn: Connection, job_id: str, ids: Sequence[int]) -> list[str]:
         if not ids:

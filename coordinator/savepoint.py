@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from coordinator.errors import SavepointError
-from coordinator.metadata import CompletedCheckpoint, SubtaskState
+from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
 from dstl import layout
 from dstl.errors import ConfigError, StorageConflictError, StorageError
 from dstl.fileio import FileIO
@@ -74,3 +74,39 @@ def make_self_contained(fileio: FileIO, checkpoint: CompletedCheckpoint) -> Comp
         for s in checkpoint.subtasks
     )
     return dataclasses.replace(checkpoint, subtasks=subtasks)
+
+
+def savepoint_from_checkpoint(
+    fileio: FileIO, store: MetadataStore, checkpoint: CompletedCheckpoint, now: float
+) -> CompletedCheckpoint:
+    """Turn a retained checkpoint into a new, self-contained savepoint; return its record.
+
+    For operators (``statectl savepoint``): freeze the state a job reached, e.g. before
+    an upgrade, without reaching the running job. The savepoint gets a fresh id from the
+    job's sequence (so a running coordinator never reuses it), copies every file under its
+    own prefix and is recorded without retention. Safe while the job runs: if retention
+    removes the checkpoint's files during the copy, a :class:`SavepointError` names the
+    checkpoint, the partial copy is deleted and nothing is recorded. Any thread.
+    """
+    if checkpoint.kind != "checkpoint":
+        raise ConfigError(
+            f"{checkpoint.kind} {checkpoint.checkpoint_id} of job {checkpoint.job_id} is "
+            "already self-contained"
+        )
+    draft = dataclasses.replace(
+        checkpoint,
+        checkpoint_id=store.next_checkpoint_id(checkpoint.job_id),
+        kind="savepoint",
+        triggered_at=now,
+        completed_at=now,
+        stats={**checkpoint.stats, "from_checkpoint": checkpoint.checkpoint_id},
+    )
+    try:
+        savepoint = make_self_contained(fileio, draft)
+    except SavepointError as exc:
+        raise SavepointError(
+            f"{exc} (copying from checkpoint {checkpoint.checkpoint_id}; if the job removed "
+            "it meanwhile, use a newer one)"
+        ) from exc
+    store.record_savepoint(savepoint)
+    return savepoint

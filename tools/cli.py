@@ -1,4 +1,4 @@
-"""``statectl``: inspect checkpoints and restore state.
+"""``statectl``: inspect checkpoints, restore state, make savepoints, sweep orphans.
 
 Exit codes: 0 success, 1 unexpected failure, 2 usage error, 3 not found (store, metadata,
 checkpoint, file), 4 corrupt data, 5 refused (target exists, bad option value).
@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import backends.handles  # noqa: F401 - registers the handle types stored in che
 import coordinator.sink  # noqa: F401 - registers the sink transaction handle
 from coordinator import gc as gc_mod
 from coordinator.metadata import MetadataStore
+from coordinator.savepoint import savepoint_from_checkpoint
 from dstl.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -38,6 +40,7 @@ EXAMPLES = """examples:
   statectl checkpoints show 7 --store demo-data --json
   statectl restore --store demo-data --checkpoint 7 -o restored/
   statectl restore --store s3://bucket/state --metadata postgresql+psycopg://host/db --checkpoint 7 -o out --dry-run
+  statectl savepoint --store demo-data                (the latest checkpoint, self-contained)
   statectl gc --store demo-data                       (dry run: list orphans older than a day)
   statectl gc --store demo-data --job demo --min-age-s 3600 --delete
 """
@@ -150,6 +153,41 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_savepoint(args: argparse.Namespace) -> int:
+    fileio, store = _open(args)
+    if args.checkpoint is not None:
+        cp = store.get(args.job, args.checkpoint)
+    else:
+        jobs = [args.job] if args.job else store.job_ids()
+        if len(jobs) != 1:
+            raise ConfigError(f"the store holds jobs {', '.join(jobs) or '(none)'}: give --job")
+        latest = store.latest(jobs[0])
+        if latest is None:
+            raise CheckpointNotFoundError(f"job {jobs[0]} has no completed checkpoint")
+        cp = latest
+    sp = savepoint_from_checkpoint(fileio, store, cp, time.time())
+    files = sp.files()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "job": sp.job_id,
+                    "savepoint": sp.checkpoint_id,
+                    "from_checkpoint": cp.checkpoint_id,
+                    "files": len(files),
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(
+            f"savepoint {sp.checkpoint_id} of job {sp.job_id} from checkpoint "
+            f"{cp.checkpoint_id}: {len(files)} files copied; restore it with "
+            f"--checkpoint {sp.checkpoint_id}"
+        )
+    return EXIT_OK
+
+
 def _plan_text(plan: restore_mod.RestorePlan) -> str:
     d = plan.describe()
     lines = [f"restore job {d['job']} checkpoint {d['checkpoint']} into {d['output']}"]
@@ -244,6 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the plan and check files; write nothing"
     )
     rst.set_defaults(func=_cmd_restore)
+    svp = sub.add_parser(
+        "savepoint",
+        parents=[common],
+        help="copy a retained checkpoint into a self-contained savepoint",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    svp.add_argument(
+        "--checkpoint", type=int, help="the checkpoint to copy (default: the job's latest)"
+    )
+    svp.set_defaults(func=_cmd_savepoint)
     gc = sub.add_parser(
         "gc",
         parents=[common],

@@ -1,0 +1,113 @@
+"""``statectl savepoint``: a retained checkpoint copied into a self-contained savepoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from coordinator.checkpoint import CheckpointOptions
+from coordinator.metadata import MetadataStore
+from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from tools.cli import main
+from tools.demo_job import DemoConfig, pipeline
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    config = DemoConfig(events_per_source=2000, users=100, rate_per_source=None)
+    options = RuntimeOptions(
+        store_url=str(root),
+        checkpoint=CheckpointOptions(interval_s=0.05, retain=2),
+        materialization_interval_s=0.1,
+    )
+    EmbeddedRuntime(pipeline(config, str(root / "output")), options).run()
+    return root
+
+
+def _list(store: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, object]]:
+    assert main(["checkpoints", "list", "--store", str(store), "--json"]) == 0
+    rows: list[dict[str, object]] = json.loads(capsys.readouterr().out)
+    return rows
+
+
+def _tables(directory: Path) -> dict[str, list[dict[str, object]]]:
+    out = {}
+    for path in sorted(directory.rglob("*.parquet")):
+        rows = pq.read_table(path).to_pylist()
+        out[str(path.relative_to(directory))] = sorted(rows, key=repr)
+    return out
+
+
+def test_savepoint_restores_like_its_checkpoint_after_the_job_files_are_gone(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _list(store, capsys)
+    latest = max(int(str(r["checkpoint"])) for r in before)
+    assert main(["savepoint", "--store", str(store), "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["from_checkpoint"] == latest and made["savepoint"] > latest
+    sid = str(made["savepoint"])
+    assert (
+        main(
+            [
+                "restore",
+                "--store",
+                str(store),
+                "--checkpoint",
+                str(latest),
+                "-o",
+                str(tmp_path / "cp"),
+            ]
+        )
+        == 0
+    )
+
+    shutil.rmtree(store / "jobs")  # every file of the job's own checkpoints
+    assert (
+        main(["restore", "--store", str(store), "--checkpoint", sid, "-o", str(tmp_path / "sp")])
+        == 0
+    )
+    capsys.readouterr()
+    assert _tables(tmp_path / "sp") == _tables(tmp_path / "cp") != {}
+
+    rows = {str(r["checkpoint"]): r for r in _list(store, capsys)}
+    assert rows[sid]["kind"] == "savepoint"
+    # the savepoint's id came from the job's sequence: the job's next checkpoint is after it
+    with MetadataStore.for_local_store(str(store)) as meta:
+        assert meta.next_checkpoint_id("demo") == int(sid) + 1
+
+
+def test_a_savepoint_is_not_copied_again(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["savepoint", "--store", str(store), "--json"]) == 0
+    sid = str(json.loads(capsys.readouterr().out)["savepoint"])
+    assert main(["savepoint", "--store", str(store), "--checkpoint", sid]) == 5
+    err = capsys.readouterr().err
+    assert f"savepoint {sid} of job demo is already self-contained" in err
+    assert err.strip().count("\n") == 0
+
+
+def test_unknown_checkpoint_is_not_found(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["savepoint", "--store", str(store), "--checkpoint", "9999"]) == 3
+    assert "checkpoint 9999 does not exist" in capsys.readouterr().err
+
+
+def test_a_missing_file_records_nothing_and_leaves_no_copy(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What happens when retention deletes the checkpoint's files during the copy."""
+    before = _list(store, capsys)
+    latest = max(int(str(r["checkpoint"])) for r in before)
+    with MetadataStore.for_local_store(str(store)) as meta:
+        victim = Path(meta.get("demo", latest).files()[-1].removeprefix("file://"))
+    victim.unlink()
+    assert main(["savepoint", "--store", str(store)]) == 1
+    err = capsys.readouterr().err
+    assert f"from checkpoint {latest}" in err
+    assert victim.name in err and err.strip().count("\n") == 0
+    assert _list(store, capsys) == before
+    assert not [p for p in (store / "savepoints").rglob("*") if p.is_file()]
