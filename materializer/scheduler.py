@@ -125,7 +125,10 @@ class MaterializationScheduler:
         self._base: MaterializationResult | None = None
         self._committed: set[int] = set()  # materialization ids a completed checkpoint holds
         self._claims: dict[int, MaterializationResult] = {}  # pending checkpoint -> its base
-        self._retired: list[MaterializationResult] = []  # replaced bases still claimed
+        # Files uploaded by applied bases that no completed checkpoint referenced yet: ours
+        # to delete once neither the base nor a pending checkpoint's base lists them (a
+        # later base may share them, so ownership is per file, not per materialization).
+        self._unowned: set[str] = set()
         self.released_files = 0
 
     def __enter__(self) -> MaterializationScheduler:
@@ -190,8 +193,7 @@ class MaterializationScheduler:
         self.consecutive_failures = 0
         self.applied += 1
         self.last_applied = result.stats
-        if self._base is not None:
-            self._retired.append(self._base)
+        self._unowned.update(result.new_files)
         self._base = result
         self._release_garbage()
         return result
@@ -218,6 +220,7 @@ class MaterializationScheduler:
             result = self._claims.pop(cid)
             if cid == checkpoint_id:
                 self._committed.add(result.handle.materialization_id)
+                self._unowned.difference_update(result.handle.files())  # the store's now
         self._release_garbage()
 
     def on_checkpoint_aborted(self, checkpoint_id: int) -> None:
@@ -226,20 +229,15 @@ class MaterializationScheduler:
         self._release_garbage()
 
     def _release_garbage(self) -> None:
-        keep = set(self._base.handle.files()) if self._base is not None else set()
-        claimed = {r.handle.materialization_id for r in self._claims.values()}
-        still: list[MaterializationResult] = []
-        for old in self._retired:
-            mat_id = old.handle.materialization_id
-            if mat_id in self._committed:
-                continue  # reference counting owns it
-            if mat_id in claimed:
-                still.append(old)
-                continue
-            garbage = [f for f in old.new_files if f not in keep]
+        """Delete the unowned files that neither the base nor a pending claim lists."""
+        live: set[str] = set(self._base.handle.files()) if self._base is not None else set()
+        for claimed in self._claims.values():
+            live.update(claimed.handle.files())
+        garbage = sorted(self._unowned - live)
+        if garbage:
+            self._unowned.difference_update(garbage)
             self.released_files += len(garbage)
             self.materializer.delete_files(garbage)
-        self._retired = still
 
     def run_once(self) -> MaterializationResult | None:
         """:meth:`poll`, then :meth:`tick` at the clock's now: one turn of the task loop."""
@@ -282,9 +280,7 @@ class MaterializationScheduler:
         self._in_flight = None
         # A base applied after the last barrier is referenced by nothing and never will be
         # (unless a pending checkpoint claims it: its outcome is unknown here, so keep it).
-        if self._base is not None:
-            self._retired.append(self._base)
-            self._base = None
+        self._base = None
         self._release_garbage()
 
     # -- internals ----------------------------------------------------------------------

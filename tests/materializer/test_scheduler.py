@@ -234,3 +234,31 @@ def test_unreferenced_bases_are_released_claimed_ones_kept(tmp_path: Path) -> No
     (kept,) = second.new_files  # type: ignore[attr-defined]
     assert store.exists(store.relative(kept))
     sched.close()
+
+
+def test_a_file_shared_by_unreferenced_bases_is_released_with_the_last(tmp_path: Path) -> None:
+    """sst-1, uploaded by base 1 and shared by base 2, goes when base 2 is replaced too.
+
+    Regression: releasing base 1 kept sst-1 (base 2 shared it) and forgot it; releasing
+    base 2 deleted only base 2's own new files, so sst-1 stayed until an orphan sweep.
+    """
+    backend, sched, executor, clock = _setup(tmp_path)
+    store = FileIO(str(tmp_path / "store"))
+    backend.changed = True
+    first = _materialize(sched, executor, clock)
+    (shared,) = first.new_files  # type: ignore[attr-defined]
+    backend.write("sst-2", b"y" * 100)
+    backend.live = ["sst-1", "sst-2"]
+    backend.changed = True
+    second = _materialize(sched, executor, clock)
+    assert shared in second.handle.files()  # type: ignore[attr-defined]
+    assert store.exists(store.relative(shared)), "the current base shares it"
+    backend.write("sst-3", b"z" * 100)
+    backend.live = ["sst-3"]
+    backend.changed = True
+    third = _materialize(sched, executor, clock)
+    gone = [*first.new_files, *second.new_files]  # type: ignore[attr-defined]
+    assert [f for f in gone if store.exists(store.relative(f))] == []
+    assert all(store.exists(store.relative(f)) for f in third.handle.files())  # type: ignore[attr-defined]
+    sched.close()  # the last base: referenced by nothing either
+    assert [f for f in third.handle.files() if store.exists(store.relative(f))] == []  # type: ignore[attr-defined]
