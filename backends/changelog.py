@@ -169,7 +169,7 @@ class _Logged:
 class _LoggedValueState(_Logged):
     """Raw value-like state that logs ``op`` (VALUE_SET or ACC_SET). Task thread only."""
 
-    __slots__ = ("_put_bytes", "_ser", "_table", "_vop")
+    __slots__ = ("_put_bytes", "_ser", "_table", "_vop", "value")
 
     def __init__(
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
@@ -177,14 +177,12 @@ class _LoggedValueState(_Logged):
         super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
         self._vop = int(op)
+        self.value: Callable[[], Any] = inner.value  # reads: no extra call layer
         # Stores that keep bytes (RocksDB) take the bytes we serialize for the log.
         self._put_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
         self._table = _heap_table(backend, meta)
         if meta.raw_value_ser().name == "int64":
             self._int64_op = self._vop
-
-    def value(self) -> Any:
-        return self._inner.value()
 
     def update(self, value: Any) -> None:
         data = self._ser(value)
@@ -235,18 +233,16 @@ class _LoggedHeapValueState(_LoggedValueState):
 class _LoggedListState(_Logged):
     """Raw list state that logs LIST_ADD / LIST_SET / CLEAR. Task thread only."""
 
-    __slots__ = ("_add_bytes", "_ser", "_table")
+    __slots__ = ("_add_bytes", "_ser", "_table", "get")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
+        self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
         self._table = _heap_table(backend, meta)
         if meta.raw_value_ser().name == "int64":
             self._int64_op = _LIST_ADD
-
-    def get(self) -> list[Any]:
-        return self._inner.get()
 
     def add(self, value: Any) -> None:
         data = self._ser(value)
@@ -308,7 +304,7 @@ class _LoggedHeapListState(_LoggedListState):
 class _LoggedMapState(_Logged):
     """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only."""
 
-    __slots__ = ("_put_op", "_remove_op", "_table", "_uk", "_v")
+    __slots__ = ("_put_op", "_remove_op", "_table", "_uk", "_v", "contains", "get", "items")
 
     def __init__(
         self,
@@ -325,16 +321,11 @@ class _LoggedMapState(_Logged):
         self._table = _heap_table(backend, meta)
         self._v = meta.raw_value_ser().serialize
         self._put_op = int(put_op)
+        # reads: no extra call layer
+        self.get: Callable[[Any], Any] = inner.get
+        self.contains: Callable[[Any], bool] = inner.contains
+        self.items: Callable[[], Iterator[tuple[Any, Any]]] = inner.items
         self._remove_op = int(remove_op)
-
-    def get(self, user_key: Any) -> Any:
-        return self._inner.get(user_key)
-
-    def contains(self, user_key: Any) -> bool:
-        return self._inner.contains(user_key)
-
-    def items(self) -> Iterator[tuple[Any, Any]]:
-        return self._inner.items()
 
     def put(self, user_key: Any, value: Any) -> None:
         uk = self._uk(user_key)

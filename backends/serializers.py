@@ -86,8 +86,11 @@ class StrSerializer(_Typed):
     name = "str"
     arrow_type = pa.string()
 
-    def serialize(self, value: Any) -> bytes:
-        return value.encode()
+    def __init__(self) -> None:
+        self.serialize = str.encode  # type: ignore[method-assign,assignment]
+
+    def serialize(self, value: Any) -> bytes:  # replaced per instance by str.encode
+        return str.encode(value)
 
     def deserialize(self, data: bytes) -> Any:
         return data.decode()
@@ -317,11 +320,8 @@ _LEN = struct.Struct("<I")
 
 def pack_list(items: Sequence[bytes]) -> bytes:
     """Frame serialized list elements into one value (length-prefixed)."""
-    out = bytearray()
-    for item in items:
-        out += _LEN.pack(len(item))
-        out += item
-    return bytes(out)
+    pack = _LEN.pack
+    return b"".join([pack(len(item)) + item for item in items])
 
 
 def unpack_list(data: bytes) -> list[bytes]:
