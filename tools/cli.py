@@ -124,8 +124,19 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(
         f"{'stats':14} {json.dumps({k: v for k, v in cp.stats.items() if k != 'subtask_stats'}, sort_keys=True)}"
     )
+    per_subtask = cp.stats.get("subtask_stats", {})
     for s in data["subtasks"]:
-        print(f"  {s['operator']}/{s['subtask']}: {len(s['files'])} files")
+        name = f"{s['operator']}/{s['subtask']}"
+        line = f"  {name}: {len(s['files'])} files"
+        mat = per_subtask.get(name, {}).get("materialization")
+        if mat:
+            line += (
+                f"; materialization {mat.get('materialization_id')}: "
+                f"{mat.get('duration_ms')} ms, files new {mat.get('files_new')} / shared "
+                f"{mat.get('files_shared')}, bytes new {mat.get('bytes_new')} / total "
+                f"{mat.get('bytes_total')}"
+            )
+        print(line)
     return EXIT_OK
 
 

@@ -1,4 +1,4 @@
-"""``statectl savepoint``: a retained checkpoint copied into a self-contained savepoint."""
+"""``statectl savepoint`` and ``checkpoints show`` on stores written for the purpose."""
 
 from __future__ import annotations
 
@@ -111,3 +111,37 @@ def test_a_missing_file_records_nothing_and_leaves_no_copy(
     assert victim.name in err and err.strip().count("\n") == 0
     assert _list(store, capsys) == before
     assert not [p for p in (store / "savepoints").rglob("*") if p.is_file()]
+
+
+def test_show_prints_each_subtask_materialization(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from coordinator.metadata import CompletedCheckpoint, SubtaskState
+
+    mat = {
+        "materialization_id": 4,
+        "duration_ms": 12.5,
+        "files_new": 2,
+        "files_shared": 7,
+        "bytes_new": 300,
+        "bytes_total": 9000,
+    }
+    with MetadataStore.for_local_store(str(tmp_path)) as meta:
+        meta.start_attempt("j")
+        cp = CompletedCheckpoint(
+            "j",
+            meta.next_checkpoint_id("j"),
+            "checkpoint",
+            1.0,
+            2.0,
+            (SubtaskState("op", 0), SubtaskState("op", 1)),
+            {"subtask_stats": {"op/1": {"materialization": mat}}},
+        )
+        meta.record_completed(cp, retain=1)
+    assert main(["checkpoints", "show", "1", "--store", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  op/0: 0 files\n" in out
+    assert (
+        "  op/1: 0 files; materialization 4: 12.5 ms, files new 2 / shared 7, "
+        "bytes new 300 / total 9000\n" in out
+    )
