@@ -235,6 +235,20 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _command(
+    subparsers: Any, name: str, help_text: str, common: argparse.ArgumentParser | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand with the shared examples epilog (and the common options if given)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        parents=[common] if common is not None else [],
+        help=help_text,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -253,37 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    cps = sub.add_parser(
-        "checkpoints",
-        help="list or show completed checkpoints",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    cps = _command(sub, "checkpoints", "list or show completed checkpoints")
     cps_sub = cps.add_subparsers(dest="action", required=True)
-    lst = cps_sub.add_parser(
-        "list",
-        parents=[common],
-        help="list retained checkpoints",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    lst = _command(cps_sub, "list", "list retained checkpoints", common)
     lst.set_defaults(func=_cmd_list)
-    show = cps_sub.add_parser(
-        "show",
-        parents=[common],
-        help="show one checkpoint",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    show = _command(cps_sub, "show", "show one checkpoint", common)
     show.add_argument("id", type=int)
     show.set_defaults(func=_cmd_show)
-    rst = sub.add_parser(
-        "restore",
-        parents=[common],
-        help="restore a checkpoint's state as Parquet tables",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    rst = _command(sub, "restore", "restore a checkpoint's state as Parquet tables", common)
     rst.add_argument("--checkpoint", type=int, required=True)
     rst.add_argument(
         "-o", "--output", required=True, help="target directory (one table per operator state)"
@@ -293,23 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the plan and check files; write nothing"
     )
     rst.set_defaults(func=_cmd_restore)
-    svp = sub.add_parser(
-        "savepoint",
-        parents=[common],
-        help="copy a retained checkpoint into a self-contained savepoint",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    svp = _command(
+        sub, "savepoint", "copy a retained checkpoint into a self-contained savepoint", common
     )
     svp.add_argument(
         "--checkpoint", type=int, help="the checkpoint to copy (default: the job's latest)"
     )
     svp.set_defaults(func=_cmd_savepoint)
-    gc = sub.add_parser(
-        "gc",
-        parents=[common],
-        help="find (and with --delete remove) unreferenced files under a job's prefix",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    gc = _command(
+        sub, "gc", "find (and with --delete remove) unreferenced files under a job's prefix", common
     )
     gc.add_argument("--delete", action="store_true", help="delete the orphans (default: dry run)")
     gc.add_argument(

@@ -35,6 +35,10 @@ def _list(store: Path, capsys: pytest.CaptureFixture[str]) -> list[dict[str, obj
     return rows
 
 
+def _restore(store: Path, checkpoint: str, out: Path) -> int:
+    return main(["restore", "--store", str(store), "--checkpoint", checkpoint, "-o", str(out)])
+
+
 def _tables(directory: Path) -> dict[str, list[dict[str, object]]]:
     out = {}
     for path in sorted(directory.rglob("*.parquet")):
@@ -52,26 +56,10 @@ def test_savepoint_restores_like_its_checkpoint_after_the_job_files_are_gone(
     made = json.loads(capsys.readouterr().out)
     assert made["from_checkpoint"] == latest and made["savepoint"] > latest
     sid = str(made["savepoint"])
-    assert (
-        main(
-            [
-                "restore",
-                "--store",
-                str(store),
-                "--checkpoint",
-                str(latest),
-                "-o",
-                str(tmp_path / "cp"),
-            ]
-        )
-        == 0
-    )
+    assert _restore(store, str(latest), tmp_path / "cp") == 0
 
     shutil.rmtree(store / "jobs")  # every file of the job's own checkpoints
-    assert (
-        main(["restore", "--store", str(store), "--checkpoint", sid, "-o", str(tmp_path / "sp")])
-        == 0
-    )
+    assert _restore(store, sid, tmp_path / "sp") == 0
     capsys.readouterr()
     assert _tables(tmp_path / "sp") == _tables(tmp_path / "cp") != {}
 
