@@ -45,11 +45,11 @@ class PreparedBatch:
     keys: list[Any]
     key_bytes: list[bytes]
     key_groups: list[int]
+    key_group_array: pa.Array  # ``key_groups`` as Arrow int32 (for the changelog)
     values: list[Any]
     user_keys: list[Any] | None = None
     value_bytes: list[bytes] | None = None
     user_key_bytes: list[bytes] | None = None
-    key_group_array: pa.Array | None = None  # ``key_groups`` as Arrow int32, if computed
 
     def value_bytes_with(self, serializer: Serializer) -> list[bytes]:
         """The serialized values (computed once)."""
@@ -116,14 +116,9 @@ def serialize_all(serializer: Serializer, values: Sequence[Any]) -> list[bytes]:
     return list(map(serializer.serialize, values))
 
 
-def key_groups_of(key_bytes: Sequence[bytes], max_parallelism: int) -> list[int]:
-    """:func:`~backends.keygroups.key_group_for` of every key, vectorized with Arrow."""
-    out: list[int] = key_group_array_of(key_bytes, max_parallelism).to_pylist()
-    return out
-
-
 def key_group_array_of(key_bytes: Sequence[bytes], max_parallelism: int) -> pa.Array:
-    """:func:`key_groups_of` as an Arrow int32 array."""
+    """:func:`~backends.keygroups.key_group_for` of every key as an Arrow int32 array,
+    vectorized."""
     h = pa.array(list(map(zlib.crc32, key_bytes)), pa.uint64())
     mask = pa.scalar(0xFFFFFFFF, pa.uint64())
     h = pc.bit_wise_xor(h, pc.shift_right(h, 16))
@@ -177,8 +172,8 @@ def prepare_batch(
     if len(value_list) != len(key_list) or (uk_list is not None and len(uk_list) != len(key_list)):
         raise UnsupportedBatchError("apply_batch: keys, values and user_keys differ in length")
     key_bytes = serialize_all(key_serializer, key_list)
-    kg_array = key_group_array_of(key_bytes, max_parallelism) if key_list else None
-    kgs: list[int] = [] if kg_array is None else kg_array.to_pylist()
+    kg_array = key_group_array_of(key_bytes, max_parallelism)
+    kgs: list[int] = kg_array.to_pylist()
     if kgs and (min(kgs) < key_group_range.start or max(kgs) >= key_group_range.end):
         bad = next(k for k, g in zip(key_list, kgs, strict=True) if g not in key_group_range)
         raise KeyGroupOutOfRangeError(
@@ -187,6 +182,4 @@ def prepare_batch(
         )
     if meta.ttl is not None:
         value_list = [(now, v) for v in value_list]
-    batch = PreparedBatch(op, key_list, key_bytes, kgs, value_list, uk_list)
-    batch.key_group_array = kg_array
-    return meta, batch
+    return meta, PreparedBatch(op, key_list, key_bytes, kgs, kg_array, value_list, uk_list)

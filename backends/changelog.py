@@ -28,7 +28,7 @@ from backends.serializers import Serializer, pack_list
 from backends.snapshot import MaterializationSnapshot
 from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
 from backends.wrappers import wrap
-from dstl.changelog import ChangelogWriter
+from dstl.changelog import SMALL_COLUMNS, ChangelogWriter
 from dstl.handles import ChangelogHandle
 
 FLUSH_RECORDS = 1024  # a logged state hands its records to the writer every this many
@@ -37,13 +37,12 @@ _CLEAR = int(Op.CLEAR)
 _LIST_ADD = int(Op.LIST_ADD)
 _LIST_SET = int(Op.LIST_SET)
 _NO_OP = -1
-_SMALL_RUN = 32  # shorter runs go to the writer as Python lists (cheaper than Arrow)
 
 
 def _int64_column(values: list[bytes]) -> pa.Array | list[bytes]:
     """``values`` (each ``INT64.serialize``'d, so 8 bytes) as a binary column, by one join."""
     n = len(values)
-    if n < _SMALL_RUN:
+    if n < SMALL_COLUMNS:  # the writer takes short runs as lists, cheaper than Arrow
         return values
     data = b"".join(values)
     if len(data) != 8 * n:  # pragma: no cover - not INT64's bytes after all
@@ -121,15 +120,10 @@ class _Logged:
         append = self._writer.append_columns
         name = self._name
         int64_op = self._int64_op
-        if len(runs) == 1:
-            op, vals = runs[0][1], runs[0][2]
-            column = _int64_column(vals) if op == int64_op else vals
-            # array('i') from a list is cheaper than Arrow's conversion; wrapped, not copied
-            append(array("i", kgs), name, op, keys, column, uks)
-            return
         ends = [r[0] for r in runs[1:]] + [len(keys)]
         for (start, op, vals), end in zip(runs, ends, strict=True):
             column = _int64_column(vals) if op == int64_op else vals
+            # array('i') from a list is cheaper than Arrow's conversion; wrapped, not copied
             append(
                 array("i", kgs[start:end]),
                 name,
@@ -520,7 +514,7 @@ class ChangelogKeyedStateBackend(Generic[B]):
             return
         uks = batch.user_key_bytes_with(meta.user_key_ser()) if batch.user_keys else None
         self.writer.append_columns(
-            batch.key_groups if batch.key_group_array is None else batch.key_group_array,
+            batch.key_group_array,
             meta.name,
             batch.op,
             batch.key_bytes,

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 BLOCK_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "writer"])
 META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
-_SMALL_COLUMNS = 32  # append_columns of fewer rows adds them as single records
+SMALL_COLUMNS = 32  # append_columns of fewer rows (as Python lists) adds them as single records
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +363,7 @@ class ChangelogWriter:
             or (user_keys is not None and len(user_keys) != n)
         ):
             raise ValueError("append_columns: columns differ in length")
-        if n < _SMALL_COLUMNS and not any(
+        if n < SMALL_COLUMNS and not any(
             isinstance(c, pa.Array) for c in (key_groups, keys, values, user_keys)
         ):  # a short run: Python lists are cheaper than converting to Arrow
             append = self._buffer.append

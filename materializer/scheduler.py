@@ -123,7 +123,6 @@ class MaterializationScheduler:
         self.last_applied: MaterializationStats | None = None
         # Release of bases no checkpoint will ever reference (see on_barrier).
         self._base: MaterializationResult | None = None
-        self._committed: set[int] = set()  # materialization ids a completed checkpoint holds
         self._claims: dict[int, MaterializationResult] = {}  # pending checkpoint -> its base
         # Files uploaded by applied bases that no completed checkpoint referenced yet: ours
         # to delete once neither the base nor a pending checkpoint's base lists them (a
@@ -208,7 +207,7 @@ class MaterializationScheduler:
         instead of waiting for the orphan sweep: once a completed checkpoint references a
         base, the metadata store's reference counts own its files.
         """
-        if self._base is not None and self._base.handle.materialization_id not in self._committed:
+        if self._base is not None:
             self._claims[checkpoint_id] = self._base
 
     def on_checkpoint_complete(self, checkpoint_id: int) -> None:
@@ -219,7 +218,6 @@ class MaterializationScheduler:
         for cid in [c for c in self._claims if c <= checkpoint_id]:
             result = self._claims.pop(cid)
             if cid == checkpoint_id:
-                self._committed.add(result.handle.materialization_id)
                 self._unowned.difference_update(result.handle.files())  # the store's now
         self._release_garbage()
 
