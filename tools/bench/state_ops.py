@@ -129,6 +129,35 @@ def _measure(
         store.close()
 
 
+def _off_and_on(
+    case: tuple[str, str, str, int],
+    run: Callable[[Any], float],
+    rounds: int,
+    tmp: str,
+    storage: ChangelogStorage,
+    counter: list[int],
+) -> list[dict[str, Any]]:
+    """The best of ``rounds`` alternating changelog-off/on runs, as an off and an on row."""
+    kind, state, api, n = case
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(rounds):
+        for logged in (False, True):
+            best[logged] = min(best[logged], _measure(kind, logged, run, tmp, storage, counter))
+    return [
+        {
+            "store": kind,
+            "state": state,
+            "api": api,
+            "changelog": "on" if logged else "off",
+            "updates": n,
+            "seconds": round(best[logged], 4),
+            "updates_per_s": round(n / best[logged]),
+            "overhead": round(best[True] / best[False], 3) if logged else "",
+        }
+        for logged in (False, True)
+    ]
+
+
 def _bytes_per_change(storage: ChangelogStorage, keys: list[str], values: list[int]) -> float:
     """Uploaded segment bytes per change record, for the heap per-record workloads."""
     store = _store("heap", "")
@@ -167,7 +196,6 @@ def run(quick: bool) -> dict[str, Any]:
                     keys = [f"key-{rnd.randrange(KEYS)}" for _ in range(n)]
                     values = [rnd.randrange(1 << 40) for _ in range(n)]
                     for state in ("value", "list", "map"):
-                        best = {False: float("inf"), True: float("inf")}
 
                         def go(
                             b: Any,
@@ -180,48 +208,17 @@ def run(quick: bool) -> dict[str, Any]:
                                 return _per_record(b, state, keys, values)
                             return _batch(b, state, keys, values, 10_000)
 
-                        for _ in range(rounds):
-                            for logged in (False, True):
-                                t = _measure(kind, logged, go, tmp, storage, counter)
-                                best[logged] = min(best[logged], t)
-                        for logged in (False, True):
-                            cases.append(
-                                {
-                                    "store": kind,
-                                    "state": state,
-                                    "api": api,
-                                    "changelog": "on" if logged else "off",
-                                    "updates": n,
-                                    "seconds": round(best[logged], 4),
-                                    "updates_per_s": round(n / best[logged]),
-                                    "overhead": round(best[True] / best[False], 3)
-                                    if logged
-                                    else "",
-                                }
-                            )
+                        cases += _off_and_on(
+                            (kind, state, api, n), go, rounds, tmp, storage, counter
+                        )
                     if (kind, api) == ("heap", "per-record"):
                         bytes_per_change = _bytes_per_change(storage, keys, values)
                 n = sizes[(kind, "per-record")] // 2
                 records = list(events(DemoConfig(events_per_source=n), 0, 1, 0))
-                best = {False: float("inf"), True: float("inf")}
-                for _ in range(rounds):
-                    for logged in (False, True):
-                        fn = functools.partial(_operator, records=records)
-                        t = _measure(kind, logged, fn, tmp, storage, counter)
-                        best[logged] = min(best[logged], t)
-                for logged in (False, True):
-                    cases.append(
-                        {
-                            "store": kind,
-                            "state": "demo-fn",
-                            "api": "operator",
-                            "changelog": "on" if logged else "off",
-                            "updates": n,
-                            "seconds": round(best[logged], 4),
-                            "updates_per_s": round(n / best[logged]),
-                            "overhead": round(best[True] / best[False], 3) if logged else "",
-                        }
-                    )
+                fn = functools.partial(_operator, records=records)
+                cases += _off_and_on(
+                    (kind, "demo-fn", "operator", n), fn, rounds, tmp, storage, counter
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     per_record_on = [c for c in cases if c["api"] == "per-record" and c["changelog"] == "on"]
