@@ -517,15 +517,14 @@ class MetadataStore:
                 )
             return self._load(conn, rows[0])
 
-    def latest(self, job_id: str) -> CompletedCheckpoint | None:
-        """The newest completed checkpoint or savepoint of ``job_id``, if any."""
+    def latest(self, job_id: str, kind: str | None = None) -> CompletedCheckpoint | None:
+        """The newest completed checkpoint or savepoint of ``job_id`` (only of ``kind``,
+        ``"checkpoint"`` or ``"savepoint"``, if given), if any."""
+        query = sa.select(checkpoints).where(checkpoints.c.job_id == job_id)
+        if kind is not None:
+            query = query.where(checkpoints.c.kind == kind)
         with self._tx() as conn:
-            row = conn.execute(
-                sa.select(checkpoints)
-                .where(checkpoints.c.job_id == job_id)
-                .order_by(checkpoints.c.checkpoint_id.desc())
-                .limit(1)
-            ).first()
+            row = conn.execute(query.order_by(checkpoints.c.checkpoint_id.desc()).limit(1)).first()
             return None if row is None else self._load(conn, row)
 
     def list(self, job_id: str | None = None) -> list[CompletedCheckpoint]:

@@ -172,7 +172,7 @@ def _cmd_savepoint(args: argparse.Namespace) -> int:
         jobs = [args.job] if args.job else store.job_ids()
         if len(jobs) != 1:
             raise ConfigError(f"the store holds jobs {', '.join(jobs) or '(none)'}: give --job")
-        latest = store.latest(jobs[0])
+        latest = store.latest(jobs[0], kind="checkpoint")
         if latest is None:
             raise CheckpointNotFoundError(f"job {jobs[0]} has no completed checkpoint")
         cp = latest

@@ -70,6 +70,17 @@ def test_savepoint_restores_like_its_checkpoint_after_the_job_files_are_gone(
         assert meta.next_checkpoint_id("demo") == int(sid) + 1
 
 
+def test_the_default_source_is_the_latest_checkpoint_not_a_savepoint(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made = []
+    for _ in range(2):
+        assert main(["savepoint", "--store", str(store), "--json"]) == 0
+        made.append(json.loads(capsys.readouterr().out))
+    assert made[0]["from_checkpoint"] == made[1]["from_checkpoint"]
+    assert made[1]["savepoint"] > made[0]["savepoint"]
+
+
 def test_a_savepoint_is_not_copied_again(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["savepoint", "--store", str(store), "--json"]) == 0
     sid = str(json.loads(capsys.readouterr().out)["savepoint"])
