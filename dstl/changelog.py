@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dstl import layout
+from dstl._records import RecordColumns
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
@@ -135,10 +136,10 @@ class ChangeBuffer:
     """Buffer of change records of one writer. Task thread only.
 
     Records arrive either one at a time (:meth:`append`: metadata, tests) or as columns of
-    one state and operation (:meth:`add_columns`: the wrapper's flushes, the batch path).
-    Columns are converted to Arrow when they arrive and kept as *chunks* whose ``sqn``,
-    ``state`` and ``op`` are stored once, not per row: they are expanded to columns only
-    in :meth:`to_table`. Single records collect in plain lists, sealed into a chunk before
+    one state (:meth:`add_columns`: the wrapper's record buffers, the batch path).
+    Columns are converted to Arrow when they arrive and kept as *chunks* whose ``sqn`` and
+    ``state`` (and ``op``, when one for all) are stored once, not per row: they are
+    expanded to columns only in :meth:`to_table`. Single records collect in plain lists, sealed into a chunk before
     the next columns arrive, so the buffer keeps the order records were appended in.
     """
 
@@ -185,20 +186,24 @@ class ChangeBuffer:
         self,
         sqn: int,
         state: str,
-        op: int,
+        op: int | pa.Array,
         key_groups: pa.Array,
         keys: pa.Array,
         user_keys: pa.Array | None,
         values: pa.Array,
+        nbytes: int | None = None,
     ) -> None:
-        """Add ``len(keys)`` records of one change set, state and operation."""
+        """Add ``len(keys)`` records of one change set and state; ``op`` is one operation for
+        all of them or an int8 array of one per record. ``nbytes``: the columns' size, if
+        the caller knows it (asking Arrow costs microseconds per column)."""
         n = len(keys)
         if not n:
             return
         self._seal_rows()
-        nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
-        if user_keys is not None:
-            nbytes += user_keys.nbytes
+        if nbytes is None:
+            nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
+            if user_keys is not None:
+                nbytes += user_keys.nbytes
         self._chunks.append((n, nbytes, sqn, state, op, key_groups, keys, user_keys, values))
         self.rows += n
         self.nbytes += nbytes
@@ -246,7 +251,7 @@ class ChangeBuffer:
             kg_c.append(kgs)
             sqn_c.append(pa.repeat(pa.scalar(sqn, pa.int64()), n))
             state_c.append(pa.repeat(pa.scalar(state, pa.string()), n))
-            op_c.append(pa.repeat(pa.scalar(op, pa.int8()), n))
+            op_c.append(op if isinstance(op, pa.Array) else pa.repeat(pa.scalar(op, pa.int8()), n))
             key_c.append(keys)
             uk_c.append(pa.nulls(n, pa.binary()) if uks is None else uks)
             val_c.append(vals)
@@ -264,6 +269,14 @@ def as_binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
     if isinstance(values, pa.Array):
         return values if values.type == pa.binary() else values.cast(pa.binary())
     return pa.array(values, pa.binary())
+
+
+def _binary_column(rows: int, column: tuple[int, bytes | None, bytes, bytes]) -> pa.Array:
+    """A binary array over a :class:`RecordColumns` column (no copy)."""
+    nulls, validity, offsets, data = column
+    bitmap = None if validity is None else pa.py_buffer(validity)
+    buffers = [bitmap, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.Array.from_buffers(pa.binary(), rows, buffers, null_count=nulls)
 
 
 def as_int32(values: Sequence[int] | pa.Array) -> pa.Array:
@@ -381,6 +394,31 @@ class ChangelogWriter:
                 None if user_keys is None else as_binary(user_keys),
                 as_binary(values),
             )
+        if self._buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
+            self._submit_buffer()
+
+    def append_records(self, state: str, records: RecordColumns) -> None:
+        """Log every record buffered in ``records`` (changes of ``state``) and empty it.
+
+        The hot path of the changelog wrapper: the buffer's columns are already Arrow's
+        layout, so they are wrapped, not converted. Blocks only under backpressure.
+        """
+        taken = records.take()
+        if taken is None:
+            return
+        rows, key_groups, ops, key_offsets, key_data, user_keys, values = taken
+        parts = (key_groups, ops, key_offsets, key_data, *values[2:], *(user_keys or ())[2:])
+        nbytes = 13 * rows + sum(map(len, parts))  # as add_columns counts, without Arrow
+        self._buffer.add_columns(
+            self._active_sqn,
+            state,
+            pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(ops)]),
+            pa.Array.from_buffers(pa.int32(), rows, [None, pa.py_buffer(key_groups)]),
+            _binary_column(rows, (0, None, key_offsets, key_data)),
+            None if user_keys is None else _binary_column(rows, user_keys),
+            _binary_column(rows, values),
+            nbytes,
+        )
         if self._buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
             self._submit_buffer()
 
