@@ -1,6 +1,6 @@
 """The changelog wrapper: every mutation of the inner backend is mirrored into the DSTL.
 
-Each state call first changes the inner store, then appends one typed change record
+Each state call changes the inner store and appends one typed change record
 (:class:`~backends.state.Op`) with the serialized key, user key and *raw* value (with TTL,
 ``(ts, value)``; reducing/aggregating state: the new accumulator as ``ACC_SET``; timers:
 ``TIMER_REGISTER``/``TIMER_DELETE``). Registering a state appends a self-describing
@@ -8,19 +8,21 @@ Each state call first changes the inner store, then appends one typed change rec
 behaviour of :mod:`backends.wrappers`, so TTL cleanups and accumulator updates are logged
 as the raw changes they are. A checkpoint persists the log since the last materialization
 and returns a :class:`~backends.handles.KeyedStateHandle`.
+
+Records go to a per-state C buffer (:class:`dstl._records.RecordColumns`), one call per
+record, which also serializes int64, float64 and str parts itself: that is what keeps the
+per-record cost of the log small (``python -m tools.bench run state-ops``). A value the
+state's serializer refuses raises before anything changes.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-import pyarrow as pa
-
 from backends.backend import KeyedStateBackend
-from backends.batch import fixed8_binary, prepare_batch
+from backends.batch import prepare_batch
 from backends.handles import KeyedStateHandle, MaterializationHandle
 from backends.heap import HeapKeyedStateBackend, Table
 from backends.keygroups import KeyGroupRange
@@ -28,26 +30,24 @@ from backends.serializers import Serializer, pack_list
 from backends.snapshot import MaterializationSnapshot
 from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
 from backends.wrappers import wrap
-from dstl.changelog import SMALL_COLUMNS, ChangelogWriter
+from dstl._records import KIND_BYTES, KIND_FLOAT64, KIND_INT64, KIND_NONE, KIND_STR, RecordColumns
+from dstl.changelog import ChangelogWriter
 from dstl.handles import ChangelogHandle
 
-FLUSH_RECORDS = 1024  # a logged state hands its records to the writer every this many
+FLUSH_RECORDS = 4096  # a logged state hands its records to the writer every this many
+FLUSH_BYTES = 1 << 20  # ...or once they hold this many bytes
 
 _CLEAR = int(Op.CLEAR)
 _LIST_ADD = int(Op.LIST_ADD)
 _LIST_SET = int(Op.LIST_SET)
-_NO_OP = -1
+# Serializers whose bytes the C record buffer produces itself (the same bytes: INT64 and
+# FLOAT64 are little-endian struct "<q"/"<d", STR is UTF-8).
+_NATIVE_KINDS = {"int64": KIND_INT64, "float64": KIND_FLOAT64, "str": KIND_STR}
 
 
-def _int64_column(values: list[bytes]) -> pa.Array | list[bytes]:
-    """``values`` (each ``INT64.serialize``'d, so 8 bytes) as a binary column, by one join."""
-    n = len(values)
-    if n < SMALL_COLUMNS:  # the writer takes short runs as lists, cheaper than Arrow
-        return values
-    data = b"".join(values)
-    if len(data) != 8 * n:  # pragma: no cover - not INT64's bytes after all
-        return values
-    return fixed8_binary(n, pa.py_buffer(data))
+def _kind(serializer: Serializer) -> int:
+    """The record buffer's kind for values of ``serializer`` (KIND_BYTES: we serialize)."""
+    return _NATIVE_KINDS.get(serializer.name, KIND_BYTES)
 
 
 def _heap_table(backend: ChangelogKeyedStateBackend, meta: StateMeta) -> Table | None:
@@ -63,196 +63,124 @@ def _heap_table(backend: ChangelogKeyedStateBackend, meta: StateMeta) -> Table |
 
 
 class _Logged:
-    """Base of logged raw states: a per-state, columnar buffer of change records.
+    """Base of logged raw states: a per-state columnar buffer of change records.
 
-    Appending to a few lists is the cheapest thing Python does per record (no tuple per
-    record, so no garbage-collector pressure). The op is not stored per record: the
-    buffer is a sequence of *runs* of one op (``_runs`` plus the open run ``_op`` from
-    ``_run_start``), each with its own value buffer. The buffer is handed to the writer
-    with one ``append_columns`` call per run (:meth:`flush`) every
-    :data:`FLUSH_RECORDS` records and before anything that closes a change set
-    (checkpoint, materialization). Key groups are kept in an ``array('i')`` the writer
-    wraps without a copy. Records of *different* states may reach the writer in another
-    order than they happened; records of one state never do, and replay is per state, so
-    the restored state is the same. Task thread only.
+    Each mutation appends one record (op, key, key group, user key, value) to a
+    :class:`~dstl._records.RecordColumns` in one C call, which checks and converts the
+    parts first (a refused value changes nothing) and says when the buffer is full; the
+    buffer goes to the writer (:meth:`flush`) then and before anything that closes a change
+    set (checkpoint, materialization). Records of *different* states may reach the writer
+    in another order than they happened; records of one state never do, and replay is per
+    state, so the restored state is the same. Task thread only.
     """
 
-    __slots__ = (
-        "_backend",
-        "_inner",
-        "_int64_op",
-        "_keys",
-        "_kgs",
-        "_name",
-        "_op",
-        "_run_start",
-        "_runs",
-        "_uks",
-        "_vals",
-        "_writer",
-    )
+    __slots__ = ("_append", "_append_typed", "_backend", "_inner", "_name", "_records", "_writer")
 
-    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
+    def __init__(
+        self,
+        backend: ChangelogKeyedStateBackend,
+        inner: Any,
+        meta: StateMeta,
+        user_key_kind: int = KIND_NONE,
+        value_kind: int = KIND_BYTES,
+    ) -> None:
         self._backend = backend.inner
         self._inner = inner
         self._name = meta.name
         self._writer = backend.writer
-        self._op = _NO_OP
-        self._run_start = 0
-        self._runs: list[tuple[int, int, Any]] = []  # closed runs: (start, op, values)
-        self._kgs: list[int] = []
-        self._int64_op = _NO_OP  # runs of this op hold INT64-serialized values only
-        self._keys: list[bytes] = []
-        self._vals: list[bytes | None] = []
-        self._uks: list[bytes | None] | None = None
+        self._records = RecordColumns(FLUSH_RECORDS, FLUSH_BYTES, user_key_kind, value_kind)
+        # bound C methods: (op, key bytes, key group, user key, value) -> buffer full?
+        self._append = self._records.append  # serialized parts (bytes or None)
+        self._append_typed = self._records.append_typed  # parts converted by their kinds
         backend._logged.append(self)
 
     def flush(self) -> None:
-        """Hand the buffered runs to the writer, in order."""
-        keys = self._keys
-        if not keys:
-            return
-        kgs, uks, runs = self._kgs, self._uks, self._runs
-        runs.append((self._run_start, self._op, self._vals))
-        self._kgs, self._keys, self._runs, self._run_start, self._vals = [], [], [], 0, []
-        if uks is not None:
-            self._uks = []
-        append = self._writer.append_columns
-        name = self._name
-        int64_op = self._int64_op
-        ends = [r[0] for r in runs[1:]] + [len(keys)]
-        for (start, op, vals), end in zip(runs, ends, strict=True):
-            column = _int64_column(vals) if op == int64_op else vals
-            # array('i') from a list is cheaper than Arrow's conversion; wrapped, not copied
-            append(
-                array("i", kgs[start:end]),
-                name,
-                op,
-                keys[start:end],
-                column,
-                None if uks is None else uks[start:end],
-            )
-
-    def _switch(self, op: int) -> None:
-        """Start a run of ``op`` (closing the open run if it has records)."""
-        n = len(self._keys)
-        if n > self._run_start:
-            self._runs.append((self._run_start, self._op, self._vals))
-            self._run_start = n
-        self._op = op
-        self._vals = []
+        """Hand the buffered records to the writer, in order."""
+        self._writer.append_records(self._name, self._records)
 
     def clear(self) -> None:
         self._inner.clear()
-        self._log(_CLEAR, None)
-
-    def _log(self, op: int, value: bytes | None) -> None:
-        if self._op != op:
-            self._switch(op)
         b = self._backend
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(b.current_key_group)
-        self._vals.append(value)
-        if self._uks is not None:
-            self._uks.append(None)
-        if len(keys) >= FLUSH_RECORDS:
+        if self._append(_CLEAR, b.current_key_bytes, b.current_key_group, None, None):
             self.flush()
 
 
 class _LoggedValueState(_Logged):
     """Raw value-like state that logs ``op`` (VALUE_SET or ACC_SET). Task thread only."""
 
-    __slots__ = ("_put_bytes", "_ser", "_table", "_vop", "value")
+    __slots__ = ("_put_bytes", "_ser", "_vop", "value")
 
     def __init__(
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
-        super().__init__(backend, inner, meta)
+        super().__init__(backend, inner, meta, value_kind=_kind(meta.raw_value_ser()))
         self._ser = meta.raw_value_ser().serialize
         self._vop = int(op)
         self.value: Callable[[], Any] = inner.value  # reads: no extra call layer
         # Stores that keep bytes (RocksDB) take the bytes we serialize for the log.
         self._put_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
-        self._table = _heap_table(backend, meta)
-        if meta.raw_value_ser().name == "int64":
-            self._int64_op = self._vop
 
     def update(self, value: Any) -> None:
-        data = self._ser(value)
+        data = self._ser(value)  # first: a value it refuses changes nothing
         put = self._put_bytes
         if put is None:
             self._inner.update(value)
         else:
             put(data)
-        op = self._vop
-        if self._op != op:
-            self._switch(op)
         b = self._backend
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(b.current_key_group)
-        self._vals.append(data)
-        if len(keys) >= FLUSH_RECORDS:
+        if self._append(self._vop, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
 
 class _LoggedHeapValueState(_LoggedValueState):
-    """:class:`_LoggedValueState` over the heap store: writes the heap's dicts itself.
+    """:class:`_LoggedValueState` over the heap store, for values the record buffer
+    serializes itself (:data:`_NATIVE_KINDS`): writes the heap's dicts itself.
 
-    One Python call less per update (see :func:`_heap_table`). Task thread only.
+    One Python call less per update (see :func:`_heap_table`) and no serializer call.
+    Task thread only.
     """
 
-    __slots__ = ()
+    __slots__ = ("_table",)
+
+    def __init__(
+        self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
+    ) -> None:
+        super().__init__(backend, inner, meta, op)
+        self._table = _heap_table(backend, meta)
 
     def update(self, value: Any) -> None:
-        data = self._ser(value)  # first: a value it refuses changes nothing
         b = self._backend
         kg = b.current_key_group
+        # first: the buffer checks the value, and one it refuses changes nothing
+        full = self._append_typed(self._vop, b.current_key_bytes, kg, None, value)
         try:
             self._table[kg][b.current_key] = value  # type: ignore[index]
         except KeyError:
             self._table[kg] = {b.current_key: value}  # type: ignore[index]
-        op = self._vop
-        if self._op != op:
-            self._switch(op)
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(kg)
-        self._vals.append(data)
-        if len(keys) >= FLUSH_RECORDS:
+        if full:
             self.flush()
 
 
 class _LoggedListState(_Logged):
     """Raw list state that logs LIST_ADD / LIST_SET / CLEAR. Task thread only."""
 
-    __slots__ = ("_add_bytes", "_ser", "_table", "get")
+    __slots__ = ("_add_bytes", "_ser", "get")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
-        super().__init__(backend, inner, meta)
+        super().__init__(backend, inner, meta, value_kind=_kind(meta.raw_value_ser()))
         self._ser = meta.raw_value_ser().serialize
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
         self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
-        self._table = _heap_table(backend, meta)
-        if meta.raw_value_ser().name == "int64":
-            self._int64_op = _LIST_ADD
 
     def add(self, value: Any) -> None:
-        data = self._ser(value)
+        data = self._ser(value)  # first: a value it refuses changes nothing
         add = self._add_bytes
         if add is None:
             self._inner.add(value)
         else:
             add(data)
-        if self._op != _LIST_ADD:
-            self._switch(_LIST_ADD)
         b = self._backend
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(b.current_key_group)
-        self._vals.append(data)
-        if len(keys) >= FLUSH_RECORDS:
+        if self._append(_LIST_ADD, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
     def update(self, values: Iterable[Any]) -> None:
@@ -260,23 +188,32 @@ class _LoggedListState(_Logged):
         if not items:
             self.clear()
             return
-        self._inner.update(items)
         ser = self._ser
-        self._log(_LIST_SET, pack_list([ser(v) for v in items]))
+        data = pack_list([ser(v) for v in items])  # first: nothing changes if one is refused
+        self._inner.update(items)
+        b = self._backend
+        if self._append(_LIST_SET, b.current_key_bytes, b.current_key_group, None, data):
+            self.flush()
 
 
 class _LoggedHeapListState(_LoggedListState):
-    """:class:`_LoggedListState` over the heap store: writes the heap's dicts itself.
+    """:class:`_LoggedListState` over the heap store, for elements the record buffer
+    serializes itself: writes the heap's dicts itself.
 
     One to two Python calls less per add (see :func:`_heap_table`). Task thread only.
     """
 
-    __slots__ = ()
+    __slots__ = ("_table",)
+
+    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
+        super().__init__(backend, inner, meta)
+        self._table = _heap_table(backend, meta)
 
     def add(self, value: Any) -> None:
-        data = self._ser(value)  # first: a value it refuses changes nothing
         b = self._backend
         kg = b.current_key_group
+        # first: the buffer checks the value, and one it refuses changes nothing
+        full = self._append_typed(_LIST_ADD, b.current_key_bytes, kg, None, value)
         m = self._table.get(kg)  # type: ignore[union-attr]
         if m is None:
             m = self._table[kg] = {}  # type: ignore[index]
@@ -285,20 +222,28 @@ class _LoggedHeapListState(_LoggedListState):
             m[b.current_key] = [value]
         else:
             lst.append(value)
-        if self._op != _LIST_ADD:
-            self._switch(_LIST_ADD)
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(kg)
-        self._vals.append(data)
-        if len(keys) >= FLUSH_RECORDS:
+        if full:
             self.flush()
 
 
 class _LoggedMapState(_Logged):
-    """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only."""
+    """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only.
 
-    __slots__ = ("_put_op", "_remove_op", "_table", "_uk", "_v", "contains", "get", "items")
+    User keys and values of :data:`_NATIVE_KINDS` go to the record buffer as they are,
+    others serialized here.
+    """
+
+    __slots__ = (
+        "_put_op",
+        "_remove_op",
+        "_table",
+        "_uk",
+        "_uk_bytes",
+        "_v",
+        "contains",
+        "get",
+        "items",
+    )
 
     def __init__(
         self,
@@ -308,26 +253,35 @@ class _LoggedMapState(_Logged):
         put_op: Op,
         remove_op: Op,
     ) -> None:
-        super().__init__(backend, inner, meta)
-        self._uks = []
-        uk_ser = meta.user_key_ser()
-        self._uk: Callable[[Any], bytes] = str.encode if uk_ser.name == "str" else uk_ser.serialize
+        uk_ser, v_ser = meta.user_key_ser(), meta.raw_value_ser()
+        super().__init__(backend, inner, meta, _kind(uk_ser), _kind(v_ser))
+        # None: the buffer serializes it (see _NATIVE_KINDS)
+        self._uk = None if _kind(uk_ser) != KIND_BYTES else uk_ser.serialize
+        self._v = None if _kind(v_ser) != KIND_BYTES else v_ser.serialize
+        self._uk_bytes: Callable[[Any], bytes] = uk_ser.serialize
         self._table = _heap_table(backend, meta)
-        self._v = meta.raw_value_ser().serialize
         self._put_op = int(put_op)
+        self._remove_op = int(remove_op)
         # reads: no extra call layer
         self.get: Callable[[Any], Any] = inner.get
         self.contains: Callable[[Any], bool] = inner.contains
         self.items: Callable[[], Iterator[tuple[Any, Any]]] = inner.items
-        self._remove_op = int(remove_op)
 
     def put(self, user_key: Any, value: Any) -> None:
-        uk = self._uk(user_key)
-        data = self._v(value)
         b = self._backend
         kg = b.current_key_group
+        uk, v = self._uk, self._v
         table = self._table
-        if table is not None:  # the heap's put, inlined
+        if table is None:  # the store serializes (and refuses) first
+            self._inner.put(user_key, value)
+        full = self._append_typed(
+            self._put_op,
+            b.current_key_bytes,
+            kg,
+            user_key if uk is None else uk(user_key),
+            value if v is None else v(value),
+        )
+        if table is not None:  # the heap's put, inlined, once the buffer took the record
             m = table.get(kg)
             if m is None:
                 m = table[kg] = {}
@@ -336,31 +290,14 @@ class _LoggedMapState(_Logged):
                 m[b.current_key] = {user_key: value}
             else:
                 entries[user_key] = value
-        else:
-            self._inner.put(user_key, value)
-        op = self._put_op
-        if self._op != op:
-            self._switch(op)
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(kg)
-        self._vals.append(data)
-        self._uks.append(uk)  # type: ignore[union-attr]
-        if len(keys) >= FLUSH_RECORDS:
+        if full:
             self.flush()
 
     def remove(self, user_key: Any) -> None:
+        uk = self._uk_bytes(user_key)
         self._inner.remove(user_key)
-        op = self._remove_op
-        if self._op != op:
-            self._switch(op)
         b = self._backend
-        keys = self._keys
-        keys.append(b.current_key_bytes)
-        self._kgs.append(b.current_key_group)
-        self._vals.append(None)
-        self._uks.append(self._uk(user_key))  # type: ignore[union-attr]
-        if len(keys) >= FLUSH_RECORDS:
+        if self._append(self._remove_op, b.current_key_bytes, b.current_key_group, uk, None):
             self.flush()
 
 
@@ -460,7 +397,10 @@ class ChangelogKeyedStateBackend(Generic[B]):
         if logged is not None:
             return logged
         self._log_meta_once(meta.name)
-        heap = isinstance(self.inner, HeapKeyedStateBackend)
+        # the fused heap states only for values the record buffer serializes itself
+        heap = isinstance(self.inner, HeapKeyedStateBackend) and meta.raw_value_ser().name in (
+            _NATIVE_KINDS
+        )
         if meta.kind is StateKind.LIST:
             list_cls = _LoggedHeapListState if heap else _LoggedListState
             logged = list_cls(self, raw, meta)
