@@ -89,7 +89,7 @@ def encode_segment(blocks: list[Block]) -> bytes:
             n = block.table.num_rows
             if n == 0:
                 raise ValueError(f"empty block for writer {block.writer_id!r}")
-            writer_col = pa.array([block.writer_id] * n, pa.string())
+            writer_col = pa.repeat(pa.scalar(block.writer_id, pa.string()), n)
             table = block.table.add_column(0, "writer", writer_col).cast(SCHEMA)
             start = sink.tell()
             writer.write_table(table, row_group_size=n)  # exactly one row group per block
