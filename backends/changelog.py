@@ -254,10 +254,11 @@ class _LoggedMapState(_Logged):
         remove_op: Op,
     ) -> None:
         uk_ser, v_ser = meta.user_key_ser(), meta.raw_value_ser()
-        super().__init__(backend, inner, meta, _kind(uk_ser), _kind(v_ser))
+        uk_kind, v_kind = _kind(uk_ser), _kind(v_ser)
+        super().__init__(backend, inner, meta, uk_kind, v_kind)
         # None: the buffer serializes it (see _NATIVE_KINDS)
-        self._uk = None if _kind(uk_ser) != KIND_BYTES else uk_ser.serialize
-        self._v = None if _kind(v_ser) != KIND_BYTES else v_ser.serialize
+        self._uk = None if uk_kind != KIND_BYTES else uk_ser.serialize
+        self._v = None if v_kind != KIND_BYTES else v_ser.serialize
         self._uk_bytes: Callable[[Any], bytes] = uk_ser.serialize
         self._table = _heap_table(backend, meta)
         self._put_op = int(put_op)

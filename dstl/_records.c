@@ -179,35 +179,31 @@ put_le64(char *out, uint64_t v)
 }
 
 /* Convert ``obj`` by ``kind`` into ``cell``; 0 on success, -1 with an exception set. */
+/* ``cell`` holds the 8 little-endian bytes of ``bits``. */
+static int
+cell_fixed(Cell *cell, uint64_t bits)
+{
+    put_le64(cell->fixed, bits);
+    cell->ptr = cell->fixed;
+    cell->len = 8;
+    return 0;
+}
+
 static int
 cell_typed(PyObject *obj, int kind, const char *what, Cell *cell)
 {
     cell->is_null = 0;
-    long long v;
-    if (kind == KIND_INT64 && small_long(obj, &v) == 0) {
-        put_le64(cell->fixed, (uint64_t)v);
-        cell->ptr = cell->fixed;
-        cell->len = 8;
-        return 0;
-    }
-    if (kind == KIND_BYTES && PyBytes_CheckExact(obj)) {
-        cell->ptr = PyBytes_AS_STRING(obj);
-        cell->len = PyBytes_GET_SIZE(obj);
-        return 0;
-    }
     if (obj == Py_None) {
         PyErr_Format(PyExc_TypeError, "%s: None cannot be serialized", what);
         return -1;
     }
     switch (kind) {
     case KIND_INT64: { /* like struct "<q": an int or anything with __index__ */
+        long long v;
         if (as_ranged(obj, LLONG_MIN, LLONG_MAX, what, &v) < 0) {
             return -1;
         }
-        put_le64(cell->fixed, (uint64_t)v);
-        cell->ptr = cell->fixed;
-        cell->len = 8;
-        return 0;
+        return cell_fixed(cell, (uint64_t)v);
     }
     case KIND_FLOAT64: {
         double d = PyFloat_AsDouble(obj);
@@ -216,10 +212,7 @@ cell_typed(PyObject *obj, int kind, const char *what, Cell *cell)
         }
         uint64_t bits;
         memcpy(&bits, &d, 8);
-        put_le64(cell->fixed, bits);
-        cell->ptr = cell->fixed;
-        cell->len = 8;
-        return 0;
+        return cell_fixed(cell, bits);
     }
     case KIND_STR: {
         if (!PyUnicode_Check(obj)) {
