@@ -455,6 +455,18 @@ class ChangelogWriter:
         self._buffer_start = boundary
         self._uploads.append(upload)
         self._storage._submit(self.writer_id, upload)
+        self._drop_durable_tables()
+
+    def _drop_durable_tables(self) -> None:
+        """Let go of the tables of uploads that succeeded: only a failed one is sent again.
+
+        Without this, a writer that uploads pre-emptively between checkpoints would keep
+        every change it ever uploaded in memory until the next checkpoint.
+        """
+        for upload in self._uploads:
+            done = upload.future.done()
+            if upload.table is not None and done and upload.future.exception() is None:
+                upload.table = None
 
     def persist(self, from_sqn: int, checkpoint_id: int) -> Future[tuple[ChangelogHandle, ...]]:
         """Make every change with ``sqn >= from_sqn`` durable, for ``checkpoint_id``.
@@ -483,9 +495,7 @@ class ChangelogWriter:
                 self._storage._submit(self.writer_id, upload)
             wanted.append(upload)
         self._storage._tracker.claim(self.writer_id, checkpoint_id, [u.sqn_start for u in wanted])
-        for upload in self._uploads:  # drop tables already durable: no need to keep them
-            if upload.future.done() and upload.future.exception() is None:
-                upload.table = None
+        self._drop_durable_tables()
         log.debug(
             "persist writer=%s from=%d checkpoint=%d uploads=%d",
             self.writer_id,

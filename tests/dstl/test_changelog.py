@@ -134,6 +134,27 @@ def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:
         assert _rows(fileio, handles)[-1] == b"tail"
 
 
+def test_uploaded_changes_are_not_kept_until_the_next_checkpoint(fileio: FileIO) -> None:
+    """Between checkpoints, pre-emptive uploads must not pile up in memory; a failed one
+    is kept (the next persist sends it again), a successful one is not needed."""
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        for round_ in range(3):
+            for i in range(5):
+                w.append(0, "s", 1, b"k", None, bytes([round_, i]) * 500)
+            assert w._uploads[-1].table is not None  # just submitted: not durable yet
+            st.drain_once(block=False)
+        # each submit lets go of the uploads finished before it
+        assert [u.table is None for u in w._uploads] == [True, True, False]
+        w.append(0, "s", 1, b"k", None, b"tail")
+        fut = w.persist(0, 1)
+        st.drain_once(block=False)
+        handles = fut.result(timeout=10)
+        assert [h.rows for h in handles] == [5, 5, 5, 1]
+        assert _rows(fileio, handles)[-1] == b"tail"
+
+
 def test_options_from_dotted_keys() -> None:
     opts = ChangelogOptions.from_dict(
         {"dstl.batch.delay-s": "0.5", "dstl.in-flight.max-bytes": 1024}
