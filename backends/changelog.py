@@ -13,6 +13,11 @@ Records go to a per-state C buffer (:class:`dstl._records.RecordColumns`), one c
 record, which also serializes int64, float64 and str parts itself: that is what keeps the
 per-record cost of the log small (``python -m tools.bench run state-ops``). A value the
 state's serializer refuses raises before anything changes.
+
+Hot paths load callables kept on ``self`` (bound C methods, serializer functions) into
+locals before calling them: CPython 3.11 cannot specialize ``self._slot(...)`` for a
+callable stored on the instance (it stays a generic method lookup, ~20 ns in this loop),
+while ``f = self._slot; f(...)`` is a specialized attribute load.
 """
 
 from __future__ import annotations
@@ -100,8 +105,8 @@ class _Logged:
 
     def clear(self) -> None:
         self._inner.clear()
-        b = self._backend
-        if self._append(_CLEAR, b.current_key_bytes, b.current_key_group, None, None):
+        b, append = self._backend, self._append
+        if append(_CLEAR, b.current_key_bytes, b.current_key_group, None, None):
             self.flush()
 
 
@@ -121,14 +126,14 @@ class _LoggedValueState(_Logged):
         self._put_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
 
     def update(self, value: Any) -> None:
-        data = self._ser(value)  # first: a value it refuses changes nothing
-        put = self._put_bytes
+        ser, put, append = self._ser, self._put_bytes, self._append
+        data = ser(value)  # first: a value it refuses changes nothing
         if put is None:
             self._inner.update(value)
         else:
             put(data)
         b = self._backend
-        if self._append(self._vop, b.current_key_bytes, b.current_key_group, None, data):
+        if append(self._vop, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
 
@@ -149,10 +154,10 @@ class _LoggedHeapValueState(_LoggedValueState):
         self._table = _heap_table(backend, meta)
 
     def update(self, value: Any) -> None:
-        b = self._backend
+        b, append = self._backend, self._append_typed
         kg = b.current_key_group
         # first: the buffer checks the value, and one it refuses changes nothing
-        full = self._append_typed(self._vop, b.current_key_bytes, kg, None, value)
+        full = append(self._vop, b.current_key_bytes, kg, None, value)
         try:
             self._table[kg][b.current_key] = value  # type: ignore[index]
         except KeyError:
@@ -173,14 +178,14 @@ class _LoggedListState(_Logged):
         self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
 
     def add(self, value: Any) -> None:
-        data = self._ser(value)  # first: a value it refuses changes nothing
-        add = self._add_bytes
+        ser, add, append = self._ser, self._add_bytes, self._append
+        data = ser(value)  # first: a value it refuses changes nothing
         if add is None:
             self._inner.add(value)
         else:
             add(data)
         b = self._backend
-        if self._append(_LIST_ADD, b.current_key_bytes, b.current_key_group, None, data):
+        if append(_LIST_ADD, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
     def update(self, values: Iterable[Any]) -> None:
@@ -191,8 +196,8 @@ class _LoggedListState(_Logged):
         ser = self._ser
         data = pack_list([ser(v) for v in items])  # first: nothing changes if one is refused
         self._inner.update(items)
-        b = self._backend
-        if self._append(_LIST_SET, b.current_key_bytes, b.current_key_group, None, data):
+        b, append = self._backend, self._append
+        if append(_LIST_SET, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
 
@@ -210,10 +215,10 @@ class _LoggedHeapListState(_LoggedListState):
         self._table = _heap_table(backend, meta)
 
     def add(self, value: Any) -> None:
-        b = self._backend
+        b, append = self._backend, self._append_typed
         kg = b.current_key_group
         # first: the buffer checks the value, and one it refuses changes nothing
-        full = self._append_typed(_LIST_ADD, b.current_key_bytes, kg, None, value)
+        full = append(_LIST_ADD, b.current_key_bytes, kg, None, value)
         m = self._table.get(kg)  # type: ignore[union-attr]
         if m is None:
             m = self._table[kg] = {}  # type: ignore[index]
@@ -269,13 +274,13 @@ class _LoggedMapState(_Logged):
         self.items: Callable[[], Iterator[tuple[Any, Any]]] = inner.items
 
     def put(self, user_key: Any, value: Any) -> None:
-        b = self._backend
+        b, append = self._backend, self._append_typed
         kg = b.current_key_group
         uk, v = self._uk, self._v
         table = self._table
         if table is None:  # the store serializes (and refuses) first
             self._inner.put(user_key, value)
-        full = self._append_typed(
+        full = append(
             self._put_op,
             b.current_key_bytes,
             kg,
@@ -295,10 +300,11 @@ class _LoggedMapState(_Logged):
             self.flush()
 
     def remove(self, user_key: Any) -> None:
-        uk = self._uk_bytes(user_key)
+        uk_bytes, append = self._uk_bytes, self._append
+        uk = uk_bytes(user_key)
         self._inner.remove(user_key)
         b = self._backend
-        if self._append(self._remove_op, b.current_key_bytes, b.current_key_group, uk, None):
+        if append(self._remove_op, b.current_key_bytes, b.current_key_group, uk, None):
             self.flush()
 
 

@@ -8,7 +8,9 @@ it: ``user = wrap(descriptor, raw, clock)``.
 With TTL a raw value is ``(timestamp_ms, value)`` (per list element, per map entry), so
 the log and the materialized tables carry timestamps and a restore keeps expiry exact.
 Reducing and aggregating state store (and log) the accumulator, never the inputs.
-All objects here are owned by the task thread of their backend.
+All objects here are owned by the task thread of their backend. Callables kept on
+``self`` (the clock, the reduce function) are called through a local: see
+tests/backends/test_call_sites.py for why.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class TtlValueState:
         tv = self._raw.value()
         if tv is None:
             return self._default
-        now = self._clock()
+        clock = self._clock
+        now = clock()
         if now >= tv[0] + self._ttl:
             self._raw.clear()
             return self._default
@@ -79,7 +82,8 @@ class TtlValueState:
         return tv[1]
 
     def update(self, value: Any) -> None:
-        self._raw.update((self._clock(), value))
+        clock = self._clock
+        self._raw.update((clock(), value))
 
     def clear(self) -> None:
         self._raw.clear()
@@ -103,7 +107,8 @@ class TtlListState:
         elements = self._raw.get()
         if not elements:
             return []
-        now = self._clock()
+        clock = self._clock
+        now = clock()
         ttl = self._ttl
         alive = [e for e in elements if now < e[0] + ttl]
         if self._on_read and alive:
@@ -113,10 +118,12 @@ class TtlListState:
         return [v for _, v in alive]
 
     def add(self, value: Any) -> None:
-        self._raw.add((self._clock(), value))
+        clock = self._clock
+        self._raw.add((clock(), value))
 
     def update(self, values: Iterable[Any]) -> None:
-        now = self._clock()
+        clock = self._clock
+        now = clock()
         self._raw.update([(now, v) for v in values])
 
     def clear(self) -> None:
@@ -141,7 +148,8 @@ class TtlMapState:
         tv = self._raw.get(user_key)
         if tv is None:
             return False, None
-        now = self._clock()
+        clock = self._clock
+        now = clock()
         if now >= tv[0] + self._ttl:
             self._raw.remove(user_key)
             return False, None
@@ -156,13 +164,15 @@ class TtlMapState:
         return self._alive(user_key)[0]
 
     def put(self, user_key: Any, value: Any) -> None:
-        self._raw.put(user_key, (self._clock(), value))
+        clock = self._clock
+        self._raw.put(user_key, (clock(), value))
 
     def remove(self, user_key: Any) -> None:
         self._raw.remove(user_key)
 
     def items(self) -> Iterator[tuple[Any, Any]]:
-        now = self._clock()
+        clock = self._clock
+        now = clock()
         ttl = self._ttl
         out: list[tuple[Any, Any]] = []
         for uk, (ts, v) in list(self._raw.items()):
@@ -195,8 +205,8 @@ class ReducingStateImpl:
         return self._raw.value()
 
     def add(self, value: Any) -> None:
-        acc = self._raw.value()
-        self._raw.update(value if acc is None else self._fn(acc, value))
+        acc, fn = self._raw.value(), self._fn
+        self._raw.update(value if acc is None else fn(acc, value))
 
     def clear(self) -> None:
         self._raw.clear()
