@@ -35,6 +35,10 @@ def _fill(w: ChangelogWriter) -> list[tuple[Any, ...]]:
     kg = pa.array(list(range(50)), pa.int32())
     w.append_columns(kg, "s", 2, pa.array([b"z"] * 50), pa.array([None] * 50, pa.binary()))
     expected += [(i, boundary, "s", 2, b"z", None, None) for i in range(50)]
+    # longer than the chunks before with the same sqn, state and op (to_table shares
+    # one array per repeated value between chunks, and must grow it here)
+    w.append_columns(array("i", range(150)), "s", 2, [b"w"] * 150, [b"%d" % i for i in range(150)])
+    expected += [(i, boundary, "s", 2, b"w", None, b"%d" % i) for i in range(150)]
     return expected
 
 
