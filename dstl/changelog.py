@@ -135,20 +135,27 @@ class ChangelogOptions:
 class ChangeBuffer:
     """Buffer of change records of one writer. Task thread only.
 
-    Records arrive either one at a time (:meth:`append`: metadata, tests) or as columns of
-    one state (:meth:`add_columns`: the wrapper's record buffers, the batch path).
-    Columns are converted to Arrow when they arrive and kept as *chunks* whose ``sqn``
-    and ``state`` (and ``op``, when one for all) are stored once, not per row: they are
-    expanded to columns only in :meth:`to_table`. Single records collect in plain lists,
-    sealed into a chunk before the next columns arrive, so the buffer keeps the order
-    records were appended in.
+    Records arrive one at a time (:meth:`append`: metadata, tests), as the columns a
+    :class:`~dstl._records.RecordColumns` hands over (:meth:`add_records`: the changelog
+    wrapper's hot path) or as Arrow columns of one state (:meth:`add_columns`: the batch
+    path). They are kept as *chunks* whose ``sqn`` and ``state`` (and ``op``, when one
+    for all) are stored once, not per row: they are expanded to columns only in
+    :meth:`to_table`. Single records collect in plain lists, sealed into a chunk before
+    the next columns arrive, so the buffer keeps the order records were appended in.
+
+    Record-buffer columns stay plain bytes until :meth:`to_table`: the pyarrow calls
+    that wrap them release and retake the GIL, and made every ~3 ms on the task thread
+    they starve every other thread (in CPython 3.11 a waiting thread asks for the GIL
+    only after 5 ms without a switch). The upload thread then needed ~100 ms per GIL
+    round trip instead of ~5 ms. At a persist they run in one burst instead.
     """
 
     __slots__ = ("_chunks", "_rows", "last_sqn", "nbytes", "rows")
 
     def __init__(self) -> None:
         # A chunk: (rows, nbytes, sqn, state, op, key_group, key, user_key, value) with
-        # Arrow columns (user_key None: all null), or (rows, nbytes, RecordBatch).
+        # Arrow columns (user_key None: all null), (rows, nbytes, sqn, state, taken)
+        # with what RecordColumns.take() returned, or (rows, nbytes, RecordBatch).
         self._chunks: list[tuple[Any, ...]] = []
         self._rows: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
         self.nbytes = 0
@@ -192,23 +199,30 @@ class ChangeBuffer:
         keys: pa.Array,
         user_keys: pa.Array | None,
         values: pa.Array,
-        nbytes: int | None = None,
     ) -> None:
         """Add ``len(keys)`` records of one change set and state; ``op`` is one operation for
-        all of them or an int8 array of one per record. ``nbytes``: the columns' size, if
-        the caller knows it (asking Arrow costs microseconds per column)."""
+        all of them or an int8 array of one per record."""
         n = len(keys)
         if not n:
             return
+        nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
+        if user_keys is not None:
+            nbytes += user_keys.nbytes
+        self._add_chunk((n, nbytes, sqn, state, op, key_groups, keys, user_keys, values))
+
+    def add_records(self, sqn: int, state: str, taken: tuple[Any, ...]) -> None:
+        """Add the records a :class:`~dstl._records.RecordColumns` ``take()`` returned."""
+        rows, key_groups, ops, key_offsets, key_data, user_keys, values = taken
+        parts = (key_groups, ops, key_offsets, key_data, *values[2:], *(user_keys or ())[2:])
+        nbytes = 13 * rows + sum(map(len, parts))  # as add_columns counts
+        self._add_chunk((rows, nbytes, sqn, state, taken))
+
+    def _add_chunk(self, chunk: tuple[Any, ...]) -> None:
         self._seal_rows()
-        if nbytes is None:
-            nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
-            if user_keys is not None:
-                nbytes += user_keys.nbytes
-        self._chunks.append((n, nbytes, sqn, state, op, key_groups, keys, user_keys, values))
-        self.rows += n
-        self.nbytes += nbytes
-        self.last_sqn = sqn
+        self._chunks.append(chunk)
+        self.rows += chunk[0]
+        self.nbytes += chunk[1]
+        self.last_sqn = chunk[2]
 
     def _seal_rows(self) -> None:
         rows = self._rows
@@ -260,6 +274,8 @@ class ChangeBuffer:
             if len(chunk) == 3:
                 batches.append(chunk[2])
                 continue
+            if len(chunk) == 5:
+                chunk = _wrap_records(*chunk)
             n, _, sqn, state, op, kgs, keys, uks, vals = chunk
             columns = [
                 kgs,
@@ -279,6 +295,25 @@ def as_binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
     if isinstance(values, pa.Array):
         return values if values.type == pa.binary() else values.cast(pa.binary())
     return pa.array(values, pa.binary())
+
+
+def _wrap_records(
+    rows: int, nbytes: int, sqn: int, state: str, taken: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """A record-buffer chunk as an Arrow-column chunk: the buffers are wrapped, not copied
+    (they are Arrow's layout already)."""
+    _, key_groups, ops, key_offsets, key_data, user_keys, values = taken
+    return (
+        rows,
+        nbytes,
+        sqn,
+        state,
+        pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(ops)]),
+        pa.Array.from_buffers(pa.int32(), rows, [None, pa.py_buffer(key_groups)]),
+        _binary_column(rows, (0, None, key_offsets, key_data)),
+        None if user_keys is None else _binary_column(rows, user_keys),
+        _binary_column(rows, values),
+    )
 
 
 def _binary_column(rows: int, column: tuple[int, bytes | None, bytes, bytes]) -> pa.Array:
@@ -412,24 +447,13 @@ class ChangelogWriter:
         """Log every record buffered in ``records`` (changes of ``state``) and empty it.
 
         The hot path of the changelog wrapper: the buffer's columns are already Arrow's
-        layout, so they are wrapped, not converted. Blocks only under backpressure.
+        layout; they are kept as they are and wrapped at the next persist (see
+        :class:`ChangeBuffer` for why not here). Blocks only under backpressure.
         """
         taken = records.take()
         if taken is None:
             return
-        rows, key_groups, ops, key_offsets, key_data, user_keys, values = taken
-        parts = (key_groups, ops, key_offsets, key_data, *values[2:], *(user_keys or ())[2:])
-        nbytes = 13 * rows + sum(map(len, parts))  # as add_columns counts, without Arrow
-        self._buffer.add_columns(
-            self._active_sqn,
-            state,
-            pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(ops)]),
-            pa.Array.from_buffers(pa.int32(), rows, [None, pa.py_buffer(key_groups)]),
-            _binary_column(rows, (0, None, key_offsets, key_data)),
-            None if user_keys is None else _binary_column(rows, user_keys),
-            _binary_column(rows, values),
-            nbytes,
-        )
+        self._buffer.add_records(self._active_sqn, state, taken)
         if self._buffer.nbytes >= self._storage.options.preemptive_persist_bytes:
             self._submit_buffer()
 
