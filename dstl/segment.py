@@ -62,6 +62,7 @@ SCHEMA = pa.schema(
 
 
 _SINK_BUFFER_BYTES = 4 << 20
+_WRITER_FIELD = SCHEMA.field("writer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,9 @@ def encode_segment(blocks: list[Block]) -> bytes:
             if n == 0:
                 raise ValueError(f"empty block for writer {block.writer_id!r}")
             writer_col = pa.repeat(pa.scalar(block.writer_id, pa.string()), n)
-            table = block.table.add_column(0, "writer", writer_col).cast(SCHEMA)
+            table = block.table.add_column(0, _WRITER_FIELD, writer_col)
+            if not table.schema.equals(SCHEMA):  # a cast is one GIL round trip per column
+                table = table.cast(SCHEMA)
             start = sink.tell()
             writer.write_table(table, row_group_size=n)  # exactly one row group per block
             end = sink.tell()
