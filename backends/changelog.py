@@ -10,9 +10,12 @@ as the raw changes they are. A checkpoint persists the log since the last materi
 and returns a :class:`~backends.handles.KeyedStateHandle`.
 
 Records go to a per-state C buffer (:class:`dstl._records.RecordColumns`), one call per
-record, which also serializes int64, float64 and str parts itself: that is what keeps the
-per-record cost of the log small (``python -m tools.bench run state-ops``). A value the
-state's serializer refuses raises before anything changes.
+record. Over the heap store, for int64, float64 and str parts, the buffer serializes them
+itself and the append happens inside the heap store's own C write
+(:mod:`backends._heapstate`): the log then adds one C append per record and no Python
+call, which is what keeps its per-record cost small (``python -m tools.bench run
+state-ops``). Other states serialize in Python, once (RocksDB stores those bytes). A
+value the state's serializer or the buffer refuses raises before anything changes.
 
 Hot paths load callables kept on ``self`` (bound C methods, serializer functions) into
 locals before calling them: CPython 3.11 cannot specialize ``self._slot(...)`` for a
@@ -26,10 +29,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
+from backends._heapstate import HeapList, HeapMap, HeapValue
 from backends.backend import KeyedStateBackend
 from backends.batch import prepare_batch
 from backends.handles import KeyedStateHandle, MaterializationHandle
-from backends.heap import HeapKeyedStateBackend, Table
+from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, pack_list
 from backends.snapshot import MaterializationSnapshot
@@ -41,6 +45,8 @@ from dstl.handles import ChangelogHandle
 
 FLUSH_RECORDS = 4096  # a logged state hands its records to the writer every this many
 FLUSH_BYTES = 1 << 20  # ...or once they hold this many bytes
+
+W = TypeVar("W", HeapValue, HeapList, HeapMap)
 
 _CLEAR = int(Op.CLEAR)
 _LIST_ADD = int(Op.LIST_ADD)
@@ -55,31 +61,32 @@ def _kind(serializer: Serializer) -> int:
     return _NATIVE_KINDS.get(serializer.name, KIND_BYTES)
 
 
-def _heap_table(backend: ChangelogKeyedStateBackend, meta: StateMeta) -> Table | None:
-    """The heap store's live dicts of ``meta`` (see :meth:`HeapKeyedStateBackend.raw_table`).
-
-    ``None`` when the inner store is not the heap. The per-record hot path writes them
-    directly instead of calling the heap's raw state: one Python call less per update;
-    tests/backends/test_changelog_fastpath.py checks that the fused path and the heap's
-    own methods leave identical state.
-    """
+def _heap_write(
+    cls: type[W], backend: ChangelogKeyedStateBackend, meta: StateMeta, logged: _Logged, op: int
+) -> W:
+    """The heap store's C write for state ``meta`` that also appends ``op`` records to
+    ``logged``'s buffer (and flushes it when full): one C call per update, and the same
+    write the heap store makes without the log (tests/backends/test_changelog_fastpath.py
+    checks both leave identical state)."""
     inner = backend.inner
-    return inner.raw_table(meta.name) if isinstance(inner, HeapKeyedStateBackend) else None
+    table = inner.raw_table(meta.name)
+    return cls(inner, table, logged._records, op, logged.flush)
 
 
 class _Logged:
     """Base of logged raw states: a per-state columnar buffer of change records.
 
     Each mutation appends one record (op, key, key group, user key, value) to a
-    :class:`~dstl._records.RecordColumns` in one C call, which checks and converts the
-    parts first (a refused value changes nothing) and says when the buffer is full; the
-    buffer goes to the writer (:meth:`flush`) then and before anything that closes a change
-    set (checkpoint, materialization). Records of *different* states may reach the writer
+    :class:`~dstl._records.RecordColumns` in one C call, which checks the parts first (a
+    refused value changes nothing) and says when the buffer is full; the buffer goes to
+    the writer (:meth:`flush`) then and before anything that closes a change set
+    (checkpoint, materialization). ``user_key_kind`` and ``value_kind`` are the buffer's
+    kinds: they matter only to the heap's C writes, which append typed parts. Records of *different* states may reach the writer
     in another order than they happened; records of one state never do, and replay is per
     state, so the restored state is the same. Task thread only.
     """
 
-    __slots__ = ("_append", "_append_typed", "_backend", "_inner", "_name", "_records", "_writer")
+    __slots__ = ("_append", "_backend", "_inner", "_name", "_records", "_writer")
 
     def __init__(
         self,
@@ -94,9 +101,8 @@ class _Logged:
         self._name = meta.name
         self._writer = backend.writer
         self._records = RecordColumns(FLUSH_RECORDS, FLUSH_BYTES, user_key_kind, value_kind)
-        # bound C methods: (op, key bytes, key group, user key, value) -> buffer full?
-        self._append = self._records.append  # serialized parts (bytes or None)
-        self._append_typed = self._records.append_typed  # parts converted by their kinds
+        # a bound C method: (op, key bytes, key group, user key, value bytes) -> full?
+        self._append = self._records.append
         backend._logged.append(self)
 
     def flush(self) -> None:
@@ -116,9 +122,14 @@ class _LoggedValueState(_Logged):
     __slots__ = ("_put_bytes", "_ser", "_vop", "value")
 
     def __init__(
-        self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
+        self,
+        backend: ChangelogKeyedStateBackend,
+        inner: Any,
+        meta: StateMeta,
+        op: Op,
+        value_kind: int = KIND_BYTES,
     ) -> None:
-        super().__init__(backend, inner, meta, value_kind=_kind(meta.raw_value_ser()))
+        super().__init__(backend, inner, meta, value_kind=value_kind)
         self._ser = meta.raw_value_ser().serialize
         self._vop = int(op)
         self.value: Callable[[], Any] = inner.value  # reads: no extra call layer
@@ -139,31 +150,20 @@ class _LoggedValueState(_Logged):
 
 class _LoggedHeapValueState(_LoggedValueState):
     """:class:`_LoggedValueState` over the heap store, for values the record buffer
-    serializes itself (:data:`_NATIVE_KINDS`): writes the heap's dicts itself.
+    serializes itself (:data:`_NATIVE_KINDS`): ``update`` is the heap store's own C write
+    with the record append in the same call (:class:`backends._heapstate.HeapValue`).
 
-    One Python call less per update (see :func:`_heap_table`) and no serializer call.
     Task thread only.
     """
 
-    __slots__ = ("_table",)
+    __slots__ = ("update",)
 
     def __init__(
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
-        super().__init__(backend, inner, meta, op)
-        self._table = _heap_table(backend, meta)
-
-    def update(self, value: Any) -> None:
-        b, append = self._backend, self._append_typed
-        kg = b.current_key_group
-        # first: the buffer checks the value, and one it refuses changes nothing
-        full = append(self._vop, b.current_key_bytes, kg, None, value)
-        try:
-            self._table[kg][b.current_key] = value  # type: ignore[index]
-        except KeyError:
-            self._table[kg] = {b.current_key: value}  # type: ignore[index]
-        if full:
-            self.flush()
+        super().__init__(backend, inner, meta, op, _kind(meta.raw_value_ser()))
+        write = _heap_write(HeapValue, backend, meta, self, self._vop)
+        self.update = write.update  # type: ignore[method-assign]
 
 
 class _LoggedListState(_Logged):
@@ -171,8 +171,14 @@ class _LoggedListState(_Logged):
 
     __slots__ = ("_add_bytes", "_ser", "get")
 
-    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
-        super().__init__(backend, inner, meta, value_kind=_kind(meta.raw_value_ser()))
+    def __init__(
+        self,
+        backend: ChangelogKeyedStateBackend,
+        inner: Any,
+        meta: StateMeta,
+        value_kind: int = KIND_BYTES,
+    ) -> None:
+        super().__init__(backend, inner, meta, value_kind=value_kind)
         self._ser = meta.raw_value_ser().serialize
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
         self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
@@ -203,48 +209,30 @@ class _LoggedListState(_Logged):
 
 class _LoggedHeapListState(_LoggedListState):
     """:class:`_LoggedListState` over the heap store, for elements the record buffer
-    serializes itself: writes the heap's dicts itself.
-
-    One to two Python calls less per add (see :func:`_heap_table`). Task thread only.
+    serializes itself: ``add`` is the heap store's C add with the record append
+    (:class:`backends._heapstate.HeapList`). Task thread only.
     """
 
-    __slots__ = ("_table",)
+    __slots__ = ("add",)
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
-        super().__init__(backend, inner, meta)
-        self._table = _heap_table(backend, meta)
-
-    def add(self, value: Any) -> None:
-        b, append = self._backend, self._append_typed
-        kg = b.current_key_group
-        # first: the buffer checks the value, and one it refuses changes nothing
-        full = append(_LIST_ADD, b.current_key_bytes, kg, None, value)
-        m = self._table.get(kg)  # type: ignore[union-attr]
-        if m is None:
-            m = self._table[kg] = {}  # type: ignore[index]
-        lst = m.get(b.current_key)
-        if lst is None:
-            m[b.current_key] = [value]
-        else:
-            lst.append(value)
-        if full:
-            self.flush()
+        super().__init__(backend, inner, meta, _kind(meta.raw_value_ser()))
+        self.add = _heap_write(HeapList, backend, meta, self, _LIST_ADD).add  # type: ignore[method-assign]
 
 
 class _LoggedMapState(_Logged):
-    """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*). Task thread only.
+    """Raw map state that logs ``put_op``/``remove_op`` (MAP_* or TIMER_*), with user keys
+    and values serialized here, once: a store that keeps bytes (RocksDB) takes them.
 
-    User keys and values of :data:`_NATIVE_KINDS` go to the record buffer as they are,
-    others serialized here.
+    Task thread only.
     """
 
     __slots__ = (
+        "_put_bytes",
         "_put_op",
         "_remove_op",
-        "_table",
-        "_uk",
         "_uk_bytes",
-        "_v",
+        "_v_bytes",
         "contains",
         "get",
         "items",
@@ -257,15 +245,14 @@ class _LoggedMapState(_Logged):
         meta: StateMeta,
         put_op: Op,
         remove_op: Op,
+        kinds: tuple[int, int] = (KIND_BYTES, KIND_BYTES),
     ) -> None:
-        uk_ser, v_ser = meta.user_key_ser(), meta.raw_value_ser()
-        uk_kind, v_kind = _kind(uk_ser), _kind(v_ser)
-        super().__init__(backend, inner, meta, uk_kind, v_kind)
-        # None: the buffer serializes it (see _NATIVE_KINDS)
-        self._uk = None if uk_kind != KIND_BYTES else uk_ser.serialize
-        self._v = None if v_kind != KIND_BYTES else v_ser.serialize
-        self._uk_bytes: Callable[[Any], bytes] = uk_ser.serialize
-        self._table = _heap_table(backend, meta)
+        super().__init__(backend, inner, meta, *kinds)
+        self._uk_bytes: Callable[[Any], bytes] = meta.user_key_ser().serialize
+        self._v_bytes: Callable[[Any], bytes] = meta.raw_value_ser().serialize
+        self._put_bytes: Callable[[bytes, bytes], None] | None = getattr(
+            inner, "put_serialized", None
+        )
         self._put_op = int(put_op)
         self._remove_op = int(remove_op)
         # reads: no extra call layer
@@ -274,29 +261,19 @@ class _LoggedMapState(_Logged):
         self.items: Callable[[], Iterator[tuple[Any, Any]]] = inner.items
 
     def put(self, user_key: Any, value: Any) -> None:
-        b, append = self._backend, self._append_typed
-        kg = b.current_key_group
-        uk, v = self._uk, self._v
-        table = self._table
-        if table is None:  # the store serializes (and refuses) first
-            self._inner.put(user_key, value)
-        full = append(
-            self._put_op,
-            b.current_key_bytes,
-            kg,
-            user_key if uk is None else uk(user_key),
-            value if v is None else v(value),
+        uk_bytes, v_bytes, put, append = (
+            self._uk_bytes,
+            self._v_bytes,
+            self._put_bytes,
+            self._append,
         )
-        if table is not None:  # the heap's put, inlined, once the buffer took the record
-            m = table.get(kg)
-            if m is None:
-                m = table[kg] = {}
-            entries = m.get(b.current_key)
-            if entries is None:
-                m[b.current_key] = {user_key: value}
-            else:
-                entries[user_key] = value
-        if full:
+        uk, v = uk_bytes(user_key), v_bytes(value)  # first: a part refused changes nothing
+        if put is None:
+            self._inner.put(user_key, value)
+        else:
+            put(uk, v)
+        b = self._backend
+        if append(self._put_op, b.current_key_bytes, b.current_key_group, uk, v):
             self.flush()
 
     def remove(self, user_key: Any) -> None:
@@ -306,6 +283,27 @@ class _LoggedMapState(_Logged):
         b = self._backend
         if append(self._remove_op, b.current_key_bytes, b.current_key_group, uk, None):
             self.flush()
+
+
+class _LoggedHeapMapState(_LoggedMapState):
+    """:class:`_LoggedMapState` over the heap store, for user keys and values the record
+    buffer serializes itself: ``put`` is the heap store's C put with the record append
+    (:class:`backends._heapstate.HeapMap`). Task thread only.
+    """
+
+    __slots__ = ("put",)
+
+    def __init__(
+        self,
+        backend: ChangelogKeyedStateBackend,
+        inner: Any,
+        meta: StateMeta,
+        put_op: Op,
+        remove_op: Op,
+    ) -> None:
+        kinds = (_kind(meta.user_key_ser()), _kind(meta.raw_value_ser()))
+        super().__init__(backend, inner, meta, put_op, remove_op, kinds)
+        self.put = _heap_write(HeapMap, backend, meta, self, self._put_op).put  # type: ignore[method-assign]
 
 
 B = TypeVar("B", bound=KeyedStateBackend)
@@ -404,17 +402,27 @@ class ChangelogKeyedStateBackend(Generic[B]):
         if logged is not None:
             return logged
         self._log_meta_once(meta.name)
-        # the fused heap states only for values the record buffer serializes itself
+        # the heap's C writes only for parts the record buffer serializes itself
         heap = isinstance(self.inner, HeapKeyedStateBackend) and meta.raw_value_ser().name in (
             _NATIVE_KINDS
         )
         if meta.kind is StateKind.LIST:
             list_cls = _LoggedHeapListState if heap else _LoggedListState
             logged = list_cls(self, raw, meta)
-        elif meta.kind is StateKind.TIMER:
-            logged = _LoggedMapState(self, raw, meta, Op.TIMER_REGISTER, Op.TIMER_DELETE)
         elif meta.kind in MAP_LIKE:
-            logged = _LoggedMapState(self, raw, meta, Op.MAP_PUT, Op.MAP_REMOVE)
+            timer = meta.kind is StateKind.TIMER
+            map_cls = (
+                _LoggedHeapMapState
+                if heap and meta.user_key_ser().name in _NATIVE_KINDS
+                else _LoggedMapState
+            )
+            logged = map_cls(
+                self,
+                raw,
+                meta,
+                Op.TIMER_REGISTER if timer else Op.MAP_PUT,
+                Op.TIMER_DELETE if timer else Op.MAP_REMOVE,
+            )
         else:
             value_cls = _LoggedHeapValueState if heap else _LoggedValueState
             op = Op.VALUE_SET if meta.kind is StateKind.VALUE else Op.ACC_SET

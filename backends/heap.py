@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backends._heapstate import HeapList, HeapMap, HeapValue, KeyContext
 from backends.backend import wall_clock_ms
 from backends.batch import PreparedBatch, prepare_batch
 from backends.errors import KeyGroupOutOfRangeError
@@ -92,12 +93,33 @@ class StateSnapshot:
         """Nothing to free: the copy lives in memory."""
 
 
-class _HeapValueState:
-    __slots__ = ("_backend", "_default", "_table")
+class _Entries:
+    """Reads and clear of the heap states; their writes are C (:mod:`backends._heapstate`).
+
+    ``_backend`` and ``_table`` come from the C base. Task thread only.
+    """
+
+    __slots__ = ()
+    _backend: HeapKeyedStateBackend
+    _table: Table
+
+    def _entry(self) -> Any:
+        """The current key's value, list or map; None if it has none."""
+        b = self._backend
+        m = self._table.get(b.current_key_group)
+        return None if m is None else m.get(b.current_key)
+
+    def clear(self) -> None:
+        m = self._table.get(self._backend.current_key_group)
+        if m is not None:
+            m.pop(self._backend.current_key, None)
+
+
+class _HeapValueState(_Entries, HeapValue):
+    __slots__ = ("_default",)
 
     def __init__(self, backend: HeapKeyedStateBackend, table: Table, default: Any) -> None:
-        self._backend = backend
-        self._table = table
+        super().__init__(backend, table)
         self._default = default
 
     def value(self) -> Any:
@@ -106,44 +128,13 @@ class _HeapValueState:
             return self._default
         return m.get(self._backend.current_key, self._default)
 
-    def update(self, value: Any) -> None:
-        b = self._backend
-        try:
-            self._table[b.current_key_group][b.current_key] = value
-        except KeyError:
-            self._table[b.current_key_group] = {b.current_key: value}
 
-    def clear(self) -> None:
-        m = self._table.get(self._backend.current_key_group)
-        if m is not None:
-            m.pop(self._backend.current_key, None)
-
-
-class _HeapListState:
-    __slots__ = ("_backend", "_table")
-
-    def __init__(self, backend: HeapKeyedStateBackend, table: Table) -> None:
-        self._backend = backend
-        self._table = table
-
-    def _list(self, create: bool) -> list[Any] | None:
-        b = self._backend
-        m = self._table.get(b.current_key_group)
-        if m is None:
-            if not create:
-                return None
-            m = self._table[b.current_key_group] = {}
-        lst = m.get(b.current_key)
-        if lst is None and create:
-            lst = m[b.current_key] = []
-        return lst
+class _HeapListState(_Entries, HeapList):
+    __slots__ = ()
 
     def get(self) -> list[Any]:
-        lst = self._list(False)
+        lst = self._entry()
         return list(lst) if lst else []
-
-    def add(self, value: Any) -> None:
-        self._list(True).append(value)  # type: ignore[union-attr]
 
     def update(self, values: Iterable[Any]) -> None:
         items = list(values)
@@ -153,66 +144,52 @@ class _HeapListState:
         b = self._backend
         self._table.setdefault(b.current_key_group, {})[b.current_key] = items
 
-    def clear(self) -> None:
-        m = self._table.get(self._backend.current_key_group)
-        if m is not None:
-            m.pop(self._backend.current_key, None)
 
-
-class _HeapMapState:
-    __slots__ = ("_backend", "_table")
-
-    def __init__(self, backend: HeapKeyedStateBackend, table: Table) -> None:
-        self._backend = backend
-        self._table = table
-
-    def _map(self, create: bool) -> dict[Any, Any] | None:
-        b = self._backend
-        m = self._table.get(b.current_key_group)
-        if m is None:
-            if not create:
-                return None
-            m = self._table[b.current_key_group] = {}
-        entries = m.get(b.current_key)
-        if entries is None and create:
-            entries = m[b.current_key] = {}
-        return entries
+class _HeapMapState(_Entries, HeapMap):
+    __slots__ = ()
 
     def get(self, user_key: Any) -> Any:
-        entries = self._map(False)
+        entries = self._entry()
         return None if entries is None else entries.get(user_key)
 
-    def put(self, user_key: Any, value: Any) -> None:
-        self._map(True)[user_key] = value  # type: ignore[index]
-
     def remove(self, user_key: Any) -> None:
-        entries = self._map(False)
+        entries = self._entry()
         if entries is not None:
             entries.pop(user_key, None)
             if not entries:
                 self.clear()
 
     def contains(self, user_key: Any) -> bool:
-        entries = self._map(False)
+        entries = self._entry()
         return entries is not None and user_key in entries
 
     def items(self) -> Iterator[tuple[Any, Any]]:
-        entries = self._map(False)
+        entries = self._entry()
         return iter(list(entries.items()) if entries else [])
 
-    def clear(self) -> None:
-        m = self._table.get(self._backend.current_key_group)
-        if m is not None:
-            m.pop(self._backend.current_key, None)
 
-
-class HeapKeyedStateBackend:
+class HeapKeyedStateBackend(KeyContext):
     """Keyed state in Python dicts for the key groups in ``key_group_range``.
 
     Task thread only. Invariant: every stored entry's key hashes into
     ``key_group_range``; setting a key outside it raises :class:`KeyGroupOutOfRangeError`.
-    ``clock`` (milliseconds) drives TTL; inject a fake one in tests.
+    ``clock`` (milliseconds) drives TTL; inject a fake one in tests. The current key lives
+    in the C base :class:`~backends._heapstate.KeyContext`, where the states' C writes
+    read it.
     """
+
+    # Slots: below a C base a __dict__ is a plain dict (slower attribute loads on the
+    # per-record path than the inline values a plain class gets).
+    __slots__ = (
+        "_metas",
+        "_raw",
+        "_states",
+        "_tables",
+        "clock",
+        "key_group_range",
+        "key_serializer",
+        "max_parallelism",
+    )
 
     def __init__(
         self,
@@ -320,7 +297,8 @@ class HeapKeyedStateBackend:
         Expired TTL entries are dropped from the copy and from the live store.
         """
         tables: dict[str, Table] = {}
-        now = self.clock()
+        clock = self.clock
+        now = clock()
         for name, table in self._tables.items():
             meta = self._metas[name]
             if meta.ttl is not None:
@@ -390,12 +368,13 @@ class HeapKeyedStateBackend:
         """Set values (value state), append elements (list) or put entries (map) for many
         keys at once; all keys are checked before anything is applied."""
         self.get_state(descriptor)
+        clock = self.clock
         meta, batch = prepare_batch(
             descriptor,
             self.key_serializer,
             self.key_group_range,
             self.max_parallelism,
-            self.clock(),
+            clock(),
             keys,
             values,
             user_keys,

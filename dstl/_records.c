@@ -25,10 +25,13 @@
  *       validity None when nothing is null; user_key is None without that column.
  *       None when empty.
  *
+ * Other C extensions append through the capsule ``_C_API`` (see records_capi.h).
+ *
  * Not thread-safe: owned by one task thread, like the state that fills it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "records_capi.h"
 #include <stdint.h>
 #include <limits.h>
 #include <string.h>
@@ -428,6 +431,21 @@ rc_append_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return do_append((RecordColumns *)self, args, nargs, 1);
 }
 
+/* The C-level typed append for other extension modules (see records_capi.h): the same as
+ * append_typed with ``args`` = (op, key, key_group, user_key, value); 1 when the buffer
+ * is full, 0 when not, -1 with an exception set. ``rc`` must be a RecordColumns. */
+static int
+capi_append_typed(PyObject *rc, PyObject *const *args)
+{
+    PyObject *r = do_append((RecordColumns *)rc, args, 5, 1);
+    if (r == NULL) {
+        return -1;
+    }
+    int full = r == Py_True;
+    Py_DECREF(r);
+    return full;
+}
+
 static PyObject *
 bytes_at(const void *p, Py_ssize_t len)
 {
@@ -579,6 +597,16 @@ PyInit__records(void)
     }
     PyObject *m = PyModule_Create(&records_module);
     if (m == NULL) {
+        return NULL;
+    }
+    static RecordsCAPI capi;
+    capi.type = &RecordColumnsType;
+    capi.append_typed = capi_append_typed;
+    PyObject *capsule = PyCapsule_New(&capi, RECORDS_CAPI_NAME, NULL);
+    int added = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "_C_API", capsule);
+    Py_XDECREF(capsule);
+    if (added < 0) {
+        Py_DECREF(m);
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "RecordColumns", (PyObject *)&RecordColumnsType) < 0 ||

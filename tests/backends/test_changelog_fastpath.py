@@ -1,8 +1,8 @@
-"""The changelog wrapper's fast paths: heap-fused int64 states, runs of ops, batch columns.
+"""The changelog wrapper's fast paths: heap-fused states, batch columns.
 
-The fused heap states write the heap's dicts themselves (one Python call less per record)
-and runs of int64 values reach the writer as one joined buffer; these tests pin that they
-leave exactly the state the heap's own methods leave, and log what replays to it.
+The fused heap states make the heap's own C write with the record append in the same call
+(backends._heapstate); these tests pin that they leave exactly the state the heap's own
+methods leave, and log what replays to it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from backends import (
 from backends.changelog import (
     FLUSH_RECORDS,
     _LoggedHeapListState,
+    _LoggedHeapMapState,
     _LoggedHeapValueState,
+    _LoggedMapState,
 )
-from backends.serializers import INT64, STR
+from backends.serializers import INT64, PICKLE, STR
 from tests.backends.conftest import Factory
 from tests.backends.helpers import dump
 
@@ -36,12 +38,13 @@ DESCRIPTORS: tuple[Any, ...] = (
     ListStateDescriptor("l", INT64),
     MapStateDescriptor("m", STR, INT64),
     ReducingStateDescriptor("r", lambda a, b: a + b, INT64),
+    MapStateDescriptor("p", STR, PICKLE),  # the generic path: values serialized in Python
 )
 
 
 def _workload(backend: Any, seed: int, n: int) -> None:
     rnd = random.Random(seed)
-    v, lst, m, r = (backend.get_state(d) for d in DESCRIPTORS)
+    v, lst, m, r, p = (backend.get_state(d) for d in DESCRIPTORS)
     for i in range(n):
         backend.set_current_key(f"k{rnd.randrange(30)}")
         x = rnd.randrange(-(1 << 62), 1 << 62)
@@ -58,6 +61,7 @@ def _workload(backend: Any, seed: int, n: int) -> None:
             m.put(f"u{x % 5}", x)
         elif choice == 8:
             m.remove(f"u{x % 5}")
+            p.put(f"u{x % 3}", (x, [i]))
         else:
             r.add(x % 1000)
         if i % 997 == 0:
@@ -68,6 +72,8 @@ def test_heap_states_use_the_fused_path(factory: Factory) -> None:
     b = factory.logged("heap")
     assert type(b.internal_state(DESCRIPTORS[0].meta)) is _LoggedHeapValueState
     assert type(b.internal_state(DESCRIPTORS[1].meta)) is _LoggedHeapListState
+    assert type(b.internal_state(DESCRIPTORS[2].meta)) is _LoggedHeapMapState
+    assert type(b.internal_state(DESCRIPTORS[4].meta)) is _LoggedMapState
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -1,0 +1,22 @@
+/* The C API of dstl._records for other extension modules (backends._heapstate).
+ *
+ *     RecordsCAPI *api = PyCapsule_Import(RECORDS_CAPI_NAME, 0);
+ *
+ * ``type`` is RecordColumns (check objects with PyObject_TypeCheck before appending);
+ * ``append_typed(rc, args)`` is RecordColumns.append_typed with the five arguments
+ * (op, key, key_group, user_key, value): 1 when the buffer is full, 0 when not, -1 with
+ * an exception set (then nothing was appended). Task thread only, like the buffer.
+ */
+#ifndef DSTL_RECORDS_CAPI_H
+#define DSTL_RECORDS_CAPI_H
+
+#include <Python.h>
+
+#define RECORDS_CAPI_NAME "dstl._records._C_API"
+
+typedef struct {
+    PyTypeObject *type;
+    int (*append_typed)(PyObject *rc, PyObject *const *args);
+} RecordsCAPI;
+
+#endif
