@@ -205,12 +205,17 @@ current_release(Current *cur)
     Py_DECREF(cur->key_bytes);
 }
 
-/* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed). */
+/* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed).
+ * The dict keys are hashed first, so that a key the write would refuse is not logged. */
 static int
 log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *value)
 {
     if (self->records == NULL) {
         return 0;
+    }
+    if (PyObject_Hash(cur->group) == -1 || PyObject_Hash(cur->key) == -1 ||
+        (user_key != Py_None && PyObject_Hash(user_key) == -1)) {
+        return -1;
     }
     PyObject *args[5] = {self->op, cur->key_bytes, cur->group, user_key, value};
     return records_api->append_typed(self->records, args);

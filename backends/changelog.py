@@ -81,9 +81,10 @@ class _Logged:
     refused value changes nothing) and says when the buffer is full; the buffer goes to
     the writer (:meth:`flush`) then and before anything that closes a change set
     (checkpoint, materialization). ``user_key_kind`` and ``value_kind`` are the buffer's
-    kinds: they matter only to the heap's C writes, which append typed parts. Records of *different* states may reach the writer
-    in another order than they happened; records of one state never do, and replay is per
-    state, so the restored state is the same. Task thread only.
+    kinds: they matter only to the heap's C writes, which append typed parts. Records of
+    *different* states may reach the writer in another order than they happened; records
+    of one state never do, and replay is per state, so the restored state is the same.
+    Task thread only.
     """
 
     __slots__ = ("_append", "_backend", "_inner", "_name", "_records", "_writer")

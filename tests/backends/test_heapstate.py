@@ -136,3 +136,18 @@ def test_constructor_checks_its_arguments() -> None:
     v = HeapValue(ctx, {})
     with pytest.raises(RuntimeError):
         v.__init__(ctx, {})  # type: ignore[misc]
+
+
+def test_an_unhashable_key_is_refused_before_it_is_logged() -> None:
+    ctx = Ctx().at("k", 1)
+    ctx.current_key = ["not", "hashable"]
+    value_records = RecordColumns(8, 1 << 20, KIND_NONE, KIND_INT64)
+    map_records = RecordColumns(8, 1 << 20, KIND_STR, KIND_INT64)
+    v = HeapValue(ctx, {}, value_records, 1, lambda: None)
+    m = HeapMap(Ctx().at("k", 1), {}, map_records, 3, lambda: None)
+    with pytest.raises(TypeError):
+        v.update(1)
+    with pytest.raises(TypeError):
+        m.put(["u"], 1)
+    assert len(value_records) == 0 and len(map_records) == 0
+    assert v._table == {} and m._table == {}
