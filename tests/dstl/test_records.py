@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dstl import ChangelogStorage, FileIO
+from dstl import ChangelogStorage, FileIO, read_changes
 from dstl._records import (
     KIND_BYTES,
     KIND_FLOAT64,
@@ -207,3 +207,23 @@ def test_the_writer_logs_a_record_buffer_as_it_is(tmp_path: Any) -> None:
     assert table.column("user_key").to_pylist() == [None, b"a", b"a"]
     assert table.column("value").to_pylist() == [b"{}", struct.pack("<q", 1), None]
     assert table.column("key_group").to_pylist() == [-1, 3, 3]
+
+
+def test_a_truncate_drops_record_buffer_chunks_below_it(tmp_path: Any) -> None:
+    """Record-buffer chunks stay unwrapped until a persist; truncation must still see their
+    sequence numbers."""
+    fileio = FileIO(str(tmp_path))
+    with ChangelogStorage(fileio, "job", "w0") as storage:
+        writer = storage.create_writer("b1")
+        buf = RecordColumns(16, 1 << 20, KIND_NONE, KIND_INT64)
+        for i in range(3):
+            buf.append_typed(1, b"old", 0, None, i)
+        writer.append_records("s", buf)
+        boundary = writer.next_sqn()
+        buf.append_typed(1, b"new", 0, None, 7)
+        writer.append_records("s", buf)
+        writer.truncate(boundary)
+        handles = writer.persist(boundary, 1).result()
+    tables = list(read_changes(fileio, handles))
+    assert [k for t in tables for k in t.column("key").to_pylist()] == [b"new"]
+    assert [s for t in tables for s in t.column("sqn").to_pylist()] == [boundary]
