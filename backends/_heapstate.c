@@ -240,10 +240,51 @@ group_dict(HeapState *self, PyObject *group)
     return d;
 }
 
-/* The end of a write: flush when the log said full. */
-static PyObject *
-finish(HeapState *self, int full, int failed)
+enum Shape { SHAPE_VALUE, SHAPE_LIST, SHAPE_MAP };
+
+/* Store into the key group's dict ``d``: the value, one more list element, or a map
+ * entry; a missing list or map is created. 0, or -1 with an exception set. */
+static int
+store(PyObject *d, PyObject *key, PyObject *user_key, PyObject *value, enum Shape shape)
 {
+    if (shape == SHAPE_VALUE) {
+        return PyDict_SetItem(d, key, value);
+    }
+    PyObject *entry = PyDict_GetItemWithError(d, key);
+    if (entry != NULL) {
+        return shape == SHAPE_LIST ? PyList_Append(entry, value)
+                                   : PyDict_SetItem(entry, user_key, value);
+    }
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    entry = shape == SHAPE_LIST ? PyList_New(0) : PyDict_New();
+    if (entry == NULL) {
+        return -1;
+    }
+    int failed = (shape == SHAPE_LIST ? PyList_Append(entry, value)
+                                      : PyDict_SetItem(entry, user_key, value)) < 0 ||
+                 PyDict_SetItem(d, key, entry) < 0;
+    Py_DECREF(entry);
+    return failed ? -1 : 0;
+}
+
+/* One write of the current key: log it (if this state logs), store it, flush if full. */
+static PyObject *
+heap_write(HeapState *self, PyObject *user_key, PyObject *value, enum Shape shape)
+{
+    Current cur;
+    if (current_get(self, &cur) < 0) {
+        return NULL;
+    }
+    int full = log_change(self, &cur, user_key, value);
+    int failed = full < 0;
+    if (!failed) {
+        PyObject *d = group_dict(self, cur.group);
+        failed = d == NULL || store(d, cur.key, user_key, value, shape) < 0;
+        Py_XDECREF(d);
+    }
+    current_release(&cur);
     if (failed) {
         return NULL;
     }
@@ -260,57 +301,13 @@ finish(HeapState *self, int full, int failed)
 static PyObject *
 hv_update(PyObject *op, PyObject *value)
 {
-    HeapState *self = (HeapState *)op;
-    Current cur;
-    if (current_get(self, &cur) < 0) {
-        return NULL;
-    }
-    int full = log_change(self, &cur, Py_None, value);
-    int failed = full < 0;
-    if (!failed) {
-        PyObject *d = group_dict(self, cur.group);
-        failed = d == NULL || PyDict_SetItem(d, cur.key, value) < 0;
-        Py_XDECREF(d);
-    }
-    current_release(&cur);
-    return finish(self, full, failed);
+    return heap_write((HeapState *)op, Py_None, value, SHAPE_VALUE);
 }
 
 static PyObject *
 hl_add(PyObject *op, PyObject *value)
 {
-    HeapState *self = (HeapState *)op;
-    Current cur;
-    if (current_get(self, &cur) < 0) {
-        return NULL;
-    }
-    int full = log_change(self, &cur, Py_None, value);
-    int failed = full < 0;
-    PyObject *d = failed ? NULL : group_dict(self, cur.group);
-    if (d == NULL) {
-        failed = 1;
-    }
-    else {
-        PyObject *lst = PyDict_GetItemWithError(d, cur.key);
-        if (lst != NULL) {
-            failed = PyList_Append(lst, value) < 0;
-        }
-        else if (PyErr_Occurred()) {
-            failed = 1;
-        }
-        else {
-            lst = PyList_New(1);
-            failed = lst == NULL;
-            if (!failed) {
-                PyList_SET_ITEM(lst, 0, Py_NewRef(value));
-                failed = PyDict_SetItem(d, cur.key, lst) < 0;
-                Py_DECREF(lst);
-            }
-        }
-        Py_DECREF(d);
-    }
-    current_release(&cur);
-    return finish(self, full, failed);
+    return heap_write((HeapState *)op, Py_None, value, SHAPE_LIST);
 }
 
 static PyObject *
@@ -320,36 +317,7 @@ hm_put(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "put(user_key, value) takes 2 arguments");
         return NULL;
     }
-    HeapState *self = (HeapState *)op;
-    PyObject *user_key = args[0], *value = args[1];
-    Current cur;
-    if (current_get(self, &cur) < 0) {
-        return NULL;
-    }
-    int full = log_change(self, &cur, user_key, value);
-    int failed = full < 0;
-    PyObject *d = failed ? NULL : group_dict(self, cur.group);
-    if (d == NULL) {
-        failed = 1;
-    }
-    else {
-        PyObject *entries = PyDict_GetItemWithError(d, cur.key);
-        if (entries != NULL) {
-            failed = PyDict_SetItem(entries, user_key, value) < 0;
-        }
-        else if (PyErr_Occurred()) {
-            failed = 1;
-        }
-        else {
-            entries = PyDict_New();
-            failed = entries == NULL || PyDict_SetItem(entries, user_key, value) < 0 ||
-                     PyDict_SetItem(d, cur.key, entries) < 0;
-            Py_XDECREF(entries);
-        }
-        Py_DECREF(d);
-    }
-    current_release(&cur);
-    return finish(self, full, failed);
+    return heap_write((HeapState *)op, args[0], args[1], SHAPE_MAP);
 }
 
 static PyMemberDef hs_members[] = {
