@@ -80,8 +80,9 @@ class _Logged:
     :class:`~dstl._records.RecordColumns` in one C call, which checks the parts first (a
     refused value changes nothing) and says when the buffer is full; the buffer goes to
     the writer (:meth:`flush`) then and before anything that closes a change set
-    (checkpoint, materialization). ``user_key_kind`` and ``value_kind`` are the buffer's
-    kinds: they matter only to the heap's C writes, which append typed parts. Records of
+    (checkpoint, materialization). The buffer's kinds follow the state's serializers
+    (:func:`_kind`); they matter only to the heap's C writes, which append typed parts
+    (the other states append bytes they serialized). Records of
     *different* states may reach the writer in another order than they happened; records
     of one state never do, and replay is per state, so the restored state is the same.
     Task thread only.
@@ -89,14 +90,9 @@ class _Logged:
 
     __slots__ = ("_append", "_backend", "_inner", "_name", "_records", "_writer")
 
-    def __init__(
-        self,
-        backend: ChangelogKeyedStateBackend,
-        inner: Any,
-        meta: StateMeta,
-        user_key_kind: int = KIND_NONE,
-        value_kind: int = KIND_BYTES,
-    ) -> None:
+    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
+        user_key_kind = _kind(meta.user_key_ser()) if meta.kind in MAP_LIKE else KIND_NONE
+        value_kind = _kind(meta.raw_value_ser())
         self._backend = backend.inner
         self._inner = inner
         self._name = meta.name
@@ -123,14 +119,9 @@ class _LoggedValueState(_Logged):
     __slots__ = ("_put_bytes", "_ser", "_vop", "value")
 
     def __init__(
-        self,
-        backend: ChangelogKeyedStateBackend,
-        inner: Any,
-        meta: StateMeta,
-        op: Op,
-        value_kind: int = KIND_BYTES,
+        self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
-        super().__init__(backend, inner, meta, value_kind=value_kind)
+        super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
         self._vop = int(op)
         self.value: Callable[[], Any] = inner.value  # reads: no extra call layer
@@ -162,7 +153,7 @@ class _LoggedHeapValueState(_LoggedValueState):
     def __init__(
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
-        super().__init__(backend, inner, meta, op, _kind(meta.raw_value_ser()))
+        super().__init__(backend, inner, meta, op)
         write = _heap_write(HeapValue, backend, meta, self, self._vop)
         self.update = write.update  # type: ignore[method-assign]
 
@@ -172,14 +163,8 @@ class _LoggedListState(_Logged):
 
     __slots__ = ("_add_bytes", "_ser", "get")
 
-    def __init__(
-        self,
-        backend: ChangelogKeyedStateBackend,
-        inner: Any,
-        meta: StateMeta,
-        value_kind: int = KIND_BYTES,
-    ) -> None:
-        super().__init__(backend, inner, meta, value_kind=value_kind)
+    def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
+        super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
         self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
@@ -217,7 +202,7 @@ class _LoggedHeapListState(_LoggedListState):
     __slots__ = ("add",)
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
-        super().__init__(backend, inner, meta, _kind(meta.raw_value_ser()))
+        super().__init__(backend, inner, meta)
         self.add = _heap_write(HeapList, backend, meta, self, _LIST_ADD).add  # type: ignore[method-assign]
 
 
@@ -246,9 +231,8 @@ class _LoggedMapState(_Logged):
         meta: StateMeta,
         put_op: Op,
         remove_op: Op,
-        kinds: tuple[int, int] = (KIND_BYTES, KIND_BYTES),
     ) -> None:
-        super().__init__(backend, inner, meta, *kinds)
+        super().__init__(backend, inner, meta)
         self._uk_bytes: Callable[[Any], bytes] = meta.user_key_ser().serialize
         self._v_bytes: Callable[[Any], bytes] = meta.raw_value_ser().serialize
         self._put_bytes: Callable[[bytes, bytes], None] | None = getattr(
@@ -302,8 +286,7 @@ class _LoggedHeapMapState(_LoggedMapState):
         put_op: Op,
         remove_op: Op,
     ) -> None:
-        kinds = (_kind(meta.user_key_ser()), _kind(meta.raw_value_ser()))
-        super().__init__(backend, inner, meta, put_op, remove_op, kinds)
+        super().__init__(backend, inner, meta, put_op, remove_op)
         self.put = _heap_write(HeapMap, backend, meta, self, self._put_op).put  # type: ignore[method-assign]
 
 
