@@ -29,9 +29,9 @@ from __future__ import annotations
 import array
 import logging
 import queue
+import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -635,6 +635,9 @@ class ChangelogStorage:
         self.budget = InFlightBudget(self.options.in_flight_max_bytes)
         self._tracker = SegmentTracker()
         self._counter = 0
+        # segment-name nonces: seeded from the OS once; a syscall per name would cost
+        # the busy task thread a GIL hand-off (see dstl/_durable.c)
+        self._nonces = random.Random()
         self._closed = False
         self.segments_written = 0
         self.segments_deleted = 0
@@ -751,7 +754,8 @@ class ChangelogStorage:
         with self._lock:
             self._counter += 1
             counter = self._counter
-        return layout.segment_path(self.job, self.worker, counter, uuid.uuid4().hex[:12])
+            nonce = f"{self._nonces.getrandbits(48):012x}"
+        return layout.segment_path(self.job, self.worker, counter, nonce)
 
     def _upload(self, batch: list[_Request]) -> None:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]

@@ -12,7 +12,7 @@ filesystem it writes a temporary file next to the target, fsyncs it, links it in
 
 from __future__ import annotations
 
-import errno
+import itertools
 import os
 import posixpath
 import uuid
@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 import fsspec
 
+from dstl._durable import write_new
 from dstl.errors import (
     ConfigError,
     StateBackendError,
@@ -33,6 +34,10 @@ from dstl.errors import (
     TransientStorageError,
 )
 
+# Temporary names: unique per process (a crashed one's leftovers never collide) without a
+# system call per write.
+_TMP_NONCE = uuid.uuid4().hex[:8]
+_tmp_counter = itertools.count()
 _TRANSIENT_NAMES = ("Timeout", "Throttl", "SlowDown", "ServiceUnavailable", "InternalError")
 
 
@@ -174,35 +179,16 @@ class FileIO:
                 self._fs.pipe_file(target, data)
 
     def _write_local(self, target: str, data: bytes) -> None:
-        directory = os.path.dirname(target)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # One C call, one GIL release: see dstl/_durable.c for why not os.* calls.
+        directory, name = os.path.split(target)
+        tmp = f".{name}.{os.getpid()}-{_TMP_NONCE}-{next(_tmp_counter)}.tmp"
         try:
-            try:
-                view = memoryview(data)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            os.unlink(tmp)  # a failed write leaves no temp file behind
-            raise
-        try:
-            os.link(tmp, target)  # fails with EEXIST instead of replacing
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                raise FileExistsError(target) from exc
-            raise
-        finally:
-            os.unlink(tmp)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            write_new(directory, tmp, name, data)
+        except FileNotFoundError:
+            if os.path.isdir(directory):
+                raise
+            os.makedirs(directory, exist_ok=True)
+            write_new(directory, tmp, name, data)
 
     # -- reading ----------------------------------------------------------------------
     def read(self, path: str) -> bytes:

@@ -134,11 +134,13 @@ def test_changelog_round_trip_on_every_store(fileio: FileIO) -> None:
         assert all(fileio.exists(fileio.relative(h.location)) for h in hs)
 
 
-def test_local_write_leaves_no_temp_file_on_failure(tmp_path: Path) -> None:
+def test_local_write_of_a_non_buffer_fails_and_leaves_nothing(tmp_path: Path) -> None:
+    # (a failure in the middle of the write: tests/dstl/test_durable.py)
     fileio = FileIO(str(tmp_path))
+    fileio.write_new("t/first", b"")
     with pytest.raises(StorageError):
-        fileio.write_new("t/a", 12345)  # type: ignore[arg-type]  # not bytes: fails mid-write
-    assert list((tmp_path / "t").iterdir()) == []
+        fileio.write_new("t/a", 12345)  # type: ignore[arg-type]
+    assert [p.name for p in (tmp_path / "t").iterdir()] == ["first"]
 
 
 def test_credentials_in_a_url_are_refused_without_echoing_them() -> None:
