@@ -205,6 +205,17 @@ current_release(Current *cur)
     Py_DECREF(cur->key_bytes);
 }
 
+/* Whether the dict write will accept ``obj`` as a key: 0 with an exception set if not.
+ * Exact str, bytes and int always hash (the common keys: no call for them). */
+static inline int
+hashable(PyObject *obj)
+{
+    if (PyUnicode_CheckExact(obj) || PyBytes_CheckExact(obj) || PyLong_CheckExact(obj)) {
+        return 1;
+    }
+    return PyObject_Hash(obj) != -1;
+}
+
 /* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed).
  * The dict keys are hashed first, so that a key the write would refuse is not logged. */
 static int
@@ -213,8 +224,8 @@ log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *va
     if (self->records == NULL) {
         return 0;
     }
-    if (PyObject_Hash(cur->group) == -1 || PyObject_Hash(cur->key) == -1 ||
-        (user_key != Py_None && PyObject_Hash(user_key) == -1)) {
+    if (!hashable(cur->group) || !hashable(cur->key) ||
+        (user_key != Py_None && !hashable(user_key))) {
         return -1;
     }
     PyObject *args[5] = {self->op, cur->key_bytes, cur->group, user_key, value};

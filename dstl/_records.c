@@ -286,6 +286,10 @@ bincol_write(BinCol *c, Py_ssize_t row, const Cell *cell)
         c->validity[row / 8] &= (uint8_t) ~(1u << (row % 8));
         c->nulls++;
     }
+    else if (cell->len == 8) { /* int64, float64 and short keys: one store, no call */
+        memcpy(c->data.data + c->data.len, cell->ptr, 8);
+        c->data.len += 8;
+    }
     else if (cell->len) {
         memcpy(c->data.data + c->data.len, cell->ptr, (size_t)cell->len);
         c->data.len += cell->len;
@@ -358,42 +362,40 @@ grow_rows(RecordColumns *self, Py_ssize_t cap)
     return 0;
 }
 
-static PyObject *
-do_append(RecordColumns *self, PyObject *const *args, Py_ssize_t nargs, int typed)
+/* Append one record: ``args`` = (op, key, key_group, user_key, value). 1 when the buffer
+ * is full, 0 when not, -1 with an exception set (then nothing was appended). Hot: the
+ * capsule calls it once per logged heap write. */
+static int
+do_append(RecordColumns *self, PyObject *const *args, int typed)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError,
-                        "append(op, key, key_group, user_key, value) takes 5 arguments");
-        return NULL;
-    }
     long long op, kg;
     if (as_ranged(args[0], -128, 127, "op", &op) < 0) {
-        return NULL;
+        return -1;
     }
     PyObject *key = args[1];
     if (!PyBytes_Check(key)) {
         PyErr_Format(PyExc_TypeError, "key: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
-        return NULL;
+        return -1;
     }
     if (as_ranged(args[2], INT32_MIN, INT32_MAX, "key group", &kg) < 0) {
-        return NULL;
+        return -1;
     }
     Cell uk = {NULL, 0, {0}, 1};
     int has_uk = self->uk_kind != KIND_NONE;
     if (!has_uk) {
         if (args[3] != Py_None) {
             PyErr_SetString(PyExc_TypeError, "user_key: this buffer has no user-key column");
-            return NULL;
+            return -1;
         }
     }
     else if ((typed ? cell_typed(args[3], self->uk_kind, "user key", &uk)
                     : cell_raw(args[3], "user key", &uk)) < 0) {
-        return NULL;
+        return -1;
     }
     Cell value;
     if ((typed ? cell_typed(args[4], self->value_kind, "value", &value)
                : cell_raw(args[4], "value", &value)) < 0) {
-        return NULL;
+        return -1;
     }
     Cell key_cell = {PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), {0}, 0};
     Py_ssize_t row = self->rows;
@@ -401,7 +403,7 @@ do_append(RecordColumns *self, PyObject *const *args, Py_ssize_t nargs, int type
         bincol_reserve(&self->keys, &key_cell, self->row_cap) < 0 ||
         (has_uk && bincol_reserve(&self->uks, &uk, self->row_cap) < 0) ||
         bincol_reserve(&self->values, &value, self->row_cap) < 0) {
-        return NULL;
+        return -1;
     }
     /* Everything is checked and reserved: nothing below can fail. */
     self->key_groups[row] = (int32_t)kg;
@@ -412,23 +414,35 @@ do_append(RecordColumns *self, PyObject *const *args, Py_ssize_t nargs, int type
     }
     bincol_write(&self->values, row, &value);
     self->rows = row + 1;
-    if (self->rows >= self->capacity ||
-        self->keys.data.len + self->uks.data.len + self->values.data.len >= self->max_bytes) {
-        Py_RETURN_TRUE;
+    return self->rows >= self->capacity ||
+           self->keys.data.len + self->uks.data.len + self->values.data.len >= self->max_bytes;
+}
+
+static PyObject *
+append_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs, int typed)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "append(op, key, key_group, user_key, value) takes 5 arguments");
+        return NULL;
     }
-    Py_RETURN_FALSE;
+    int full = do_append((RecordColumns *)self, args, typed);
+    if (full < 0) {
+        return NULL;
+    }
+    return Py_NewRef(full ? Py_True : Py_False);
 }
 
 static PyObject *
 rc_append(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return do_append((RecordColumns *)self, args, nargs, 0);
+    return append_method(self, args, nargs, 0);
 }
 
 static PyObject *
 rc_append_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return do_append((RecordColumns *)self, args, nargs, 1);
+    return append_method(self, args, nargs, 1);
 }
 
 /* The C-level typed append for other extension modules (see records_capi.h): the same as
@@ -437,13 +451,7 @@ rc_append_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static int
 capi_append_typed(PyObject *rc, PyObject *const *args)
 {
-    PyObject *r = do_append((RecordColumns *)rc, args, 5, 1);
-    if (r == NULL) {
-        return -1;
-    }
-    int full = r == Py_True;
-    Py_DECREF(r);
-    return full;
+    return do_append((RecordColumns *)rc, args, 1);
 }
 
 static PyObject *
