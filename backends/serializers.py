@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
 
+from dstl._records import pack_float64, pack_int64
 from dstl.errors import ConfigError, CorruptionError
 
 
@@ -64,13 +65,23 @@ class _Typed:
 
 
 class _Struct(_Typed):
-    def __init__(self, name: str, fmt: str, arrow_type: pa.DataType) -> None:
+    """A fixed-width number. ``pack`` writes what ``fmt`` does; int64 and float64 use the
+    change-record buffer's C conversion (:mod:`dstl._records`), so a value is refused
+    with the same error (TypeError, OverflowError) on every store and path."""
+
+    def __init__(
+        self,
+        name: str,
+        fmt: str,
+        arrow_type: pa.DataType,
+        pack: Callable[[Any], bytes] | None = None,
+    ) -> None:
         self.name = name
         self._struct = struct.Struct(fmt)
         self.arrow_type = arrow_type
-        self.serialize = self._struct.pack  # type: ignore[method-assign,assignment]
+        self.serialize = pack or self._struct.pack  # type: ignore[method-assign,assignment]
 
-    def serialize(self, value: Any) -> bytes:  # replaced per instance by Struct.pack
+    def serialize(self, value: Any) -> bytes:  # replaced per instance by ``pack``
         return self._struct.pack(value)
 
     def deserialize(self, data: bytes) -> Any:
@@ -131,8 +142,8 @@ class PickleSerializer(_Typed):
         return [self.deserialize(b) for b in column.to_pylist()]
 
 
-INT64: Serializer = _Struct("int64", "<q", pa.int64())
-FLOAT64: Serializer = _Struct("float64", "<d", pa.float64())
+INT64: Serializer = _Struct("int64", "<q", pa.int64(), pack_int64)
+FLOAT64: Serializer = _Struct("float64", "<d", pa.float64(), pack_float64)
 BOOL: Serializer = _Struct("bool", "<?", pa.bool_())
 STR: Serializer = StrSerializer()
 BYTES: Serializer = BytesSerializer()

@@ -25,6 +25,11 @@
  *       validity None when nothing is null; user_key is None without that column.
  *       None when empty.
  *
+ * pack_int64(value) -> bytes, pack_float64(value) -> bytes
+ *     One part converted as KIND_INT64 / KIND_FLOAT64 would convert it: the serializers
+ *     INT64 and FLOAT64 use these, so a value is refused with the same error whichever
+ *     store and path it takes (TypeError, OverflowError; never struct.error).
+ *
  * Other C extensions append through the capsule ``_C_API`` (see records_capi.h).
  *
  * Not thread-safe: owned by one task thread, like the state that fills it.
@@ -590,11 +595,41 @@ static PyTypeObject RecordColumnsType = {
     .tp_as_sequence = &rc_as_sequence,
 };
 
+static PyObject *
+pack_kind(PyObject *value, int kind, const char *what)
+{
+    Cell cell;
+    if (cell_typed(value, kind, what, &cell) < 0) {
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize(cell.ptr, cell.len);
+}
+
+static PyObject *
+pack_int64(PyObject *module, PyObject *value)
+{
+    return pack_kind(value, KIND_INT64, "int64");
+}
+
+static PyObject *
+pack_float64(PyObject *module, PyObject *value)
+{
+    return pack_kind(value, KIND_FLOAT64, "float64");
+}
+
+static PyMethodDef records_functions[] = {
+    {"pack_int64", pack_int64, METH_O, "pack_int64(value) -> bytes: 8 bytes, like struct '<q'"},
+    {"pack_float64", pack_float64, METH_O,
+     "pack_float64(value) -> bytes: 8 bytes, like struct '<d'"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef records_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dstl._records",
     .m_doc = "A columnar buffer of change records, appended one record per C call.",
     .m_size = -1,
+    .m_methods = records_functions,
 };
 
 PyMODINIT_FUNC

@@ -6,6 +6,9 @@ KIND_INT64: int
 KIND_FLOAT64: int
 KIND_STR: int
 
+def pack_int64(value: object, /) -> bytes: ...
+def pack_float64(value: object, /) -> bytes: ...
+
 _Column = tuple[int, bytes | None, bytes, bytes]
 
 class RecordColumns:

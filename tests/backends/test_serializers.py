@@ -72,3 +72,44 @@ def test_unknown_and_corrupt() -> None:
 def test_tuple_property(value: tuple[str, int, bytes, bool]) -> None:
     ser = tuple_of(STR, INT64, BYTES, BOOL)
     assert ser.deserialize(ser.serialize(value)) == value
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    i=st.integers(-(1 << 63), (1 << 63) - 1),
+    f=st.floats(allow_nan=False) | st.integers(-(1 << 60), 1 << 60),
+)
+def test_int64_and_float64_write_what_struct_writes(i: int, f: float) -> None:
+    import struct
+
+    assert INT64.serialize(i) == struct.pack("<q", i)
+    assert FLOAT64.serialize(f) == struct.pack("<d", f)
+
+
+class _Index:
+    def __index__(self) -> int:
+        return 7
+
+
+class _Float:
+    def __float__(self) -> float:
+        return 2.5
+
+
+def test_int64_and_float64_accept_and_refuse_like_int_and_float() -> None:
+    # The same C conversion as the heap's record buffer, so every store refuses a value
+    # with the same error (it used to be struct.error on RocksDB).
+    assert INT64.serialize(_Index()) == INT64.serialize(7)
+    assert INT64.serialize(True) == INT64.serialize(1)
+    assert FLOAT64.serialize(_Float()) == FLOAT64.serialize(2.5)
+    for bad, error in ((1 << 63, OverflowError), (-(1 << 63) - 1, OverflowError)):
+        with pytest.raises(error):
+            INT64.serialize(bad)
+    for bad in (1.5, "7", None, b"7"):
+        with pytest.raises(TypeError):
+            INT64.serialize(bad)
+    for bad in ("x", None):
+        with pytest.raises(TypeError):
+            FLOAT64.serialize(bad)
+    with pytest.raises(OverflowError):
+        FLOAT64.serialize(1 << 1100)
