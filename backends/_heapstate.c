@@ -217,7 +217,7 @@ hashable(PyObject *obj)
 }
 
 /* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed).
- * The dict keys are hashed first, so that a key the write would refuse is not logged. */
+ * The dict keys are checked first (hashable), so a key the write would refuse is not logged. */
 static int
 log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *value)
 {
