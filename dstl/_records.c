@@ -291,7 +291,7 @@ bincol_write(BinCol *c, Py_ssize_t row, const Cell *cell)
         c->validity[row / 8] &= (uint8_t) ~(1u << (row % 8));
         c->nulls++;
     }
-    else if (cell->len == 8) { /* int64, float64 and short keys: one store, no call */
+    else if (cell->len == 8) { /* int64, float64, 8-byte keys: one store, no call */
         memcpy(c->data.data + c->data.len, cell->ptr, 8);
         c->data.len += 8;
     }
