@@ -11,14 +11,17 @@
  *     current_key_group as struct members (Python reads and writes them as fast slots;
  *     the states below read them without a lookup). All start as None.
  * HeapValue(backend, table, records=None, op=None, flush=None).update(value)
- * HeapList(...).add(value)
+ * HeapList(...).add(value), .replace(items)
  * HeapMap(...).put(user_key, value)
  *     ``table`` is the state's dict {key_group: {key: entry}}; the entry is the value, a
  *     list of elements, or a dict of map entries. With ``records`` (a
  *     dstl._records.RecordColumns), each write first appends one change record
  *     (``op``, key bytes, key group, user key or None, value) converted by the buffer's
  *     kinds, so a value the buffer refuses changes nothing; when the buffer reports full,
- *     ``flush()`` is called after the write. The objects are read-only from Python
+ *     ``flush()`` is called after the write. ``replace(items)`` makes the list ``items``
+ *     (a list, stored as it is: pass a fresh one) the current key's list; its record's
+ *     value frames every element (dstl._records append_typed_list). The objects are
+ *     read-only from Python
  *     (``_backend``, ``_table``) and meant as bases for the Python state classes.
  *
  * Not thread-safe: owned by the backend's task thread.
@@ -216,10 +219,13 @@ hashable(PyObject *obj)
     return PyObject_Hash(obj) != -1;
 }
 
+enum Shape { SHAPE_VALUE, SHAPE_LIST, SHAPE_MAP, SHAPE_REPLACE };
+
 /* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed).
  * The dict keys are checked first (hashable), so a key the write would refuse is not logged. */
 static int
-log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *value)
+log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *value,
+           enum Shape shape)
 {
     if (self->records == NULL) {
         return 0;
@@ -229,7 +235,8 @@ log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *va
         return -1;
     }
     PyObject *args[5] = {self->op, cur->key_bytes, cur->group, user_key, value};
-    return records_api->append_typed(self->records, args);
+    return shape == SHAPE_REPLACE ? records_api->append_typed_list(self->records, args)
+                                  : records_api->append_typed(self->records, args);
 }
 
 /* The key group's dict of keys, created when missing (a new reference). */
@@ -251,14 +258,13 @@ group_dict(HeapState *self, PyObject *group)
     return d;
 }
 
-enum Shape { SHAPE_VALUE, SHAPE_LIST, SHAPE_MAP };
-
-/* Store into the key group's dict ``d``: the value, one more list element, or a map
- * entry; a missing list or map is created. 0, or -1 with an exception set. */
+/* Store into the key group's dict ``d``: the value (or the new list), one more list
+ * element, or a map entry; a missing list or map is created. 0, or -1 with an exception
+ * set. */
 static int
 store(PyObject *d, PyObject *key, PyObject *user_key, PyObject *value, enum Shape shape)
 {
-    if (shape == SHAPE_VALUE) {
+    if (shape == SHAPE_VALUE || shape == SHAPE_REPLACE) {
         return PyDict_SetItem(d, key, value);
     }
     PyObject *entry = PyDict_GetItemWithError(d, key);
@@ -288,7 +294,7 @@ heap_write(HeapState *self, PyObject *user_key, PyObject *value, enum Shape shap
     if (current_get(self, &cur) < 0) {
         return NULL;
     }
-    int full = log_change(self, &cur, user_key, value);
+    int full = log_change(self, &cur, user_key, value, shape);
     int failed = full < 0;
     if (!failed) {
         PyObject *d = group_dict(self, cur.group);
@@ -322,6 +328,17 @@ hl_add(PyObject *op, PyObject *value)
 }
 
 static PyObject *
+hl_replace(PyObject *op, PyObject *items)
+{
+    if (!PyList_CheckExact(items)) {
+        PyErr_Format(PyExc_TypeError, "replace: expected a list, got %.100s",
+                     Py_TYPE(items)->tp_name);
+        return NULL;
+    }
+    return heap_write((HeapState *)op, Py_None, items, SHAPE_REPLACE);
+}
+
+static PyObject *
 hm_put(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
@@ -344,6 +361,7 @@ static PyMethodDef hv_methods[] = {
 
 static PyMethodDef hl_methods[] = {
     {"add", hl_add, METH_O, "add(value): append to the current key's list"},
+    {"replace", hl_replace, METH_O, "replace(items): make the list items the current key's"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -195,15 +195,25 @@ class _LoggedListState(_Logged):
 
 class _LoggedHeapListState(_LoggedListState):
     """:class:`_LoggedListState` over the heap store, for elements the record buffer
-    serializes itself: ``add`` is the heap store's C add with the record append
-    (:class:`backends._heapstate.HeapList`). Task thread only.
+    serializes itself: ``add`` is the heap store's C add with the record append, and
+    ``update`` its C replace with a LIST_SET record that frames the elements in the same
+    call (:class:`backends._heapstate.HeapList`). Task thread only.
     """
 
-    __slots__ = ("add",)
+    __slots__ = ("_replace", "add")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         super().__init__(backend, inner, meta)
         self.add = _heap_write(HeapList, backend, meta, self, _LIST_ADD).add  # type: ignore[method-assign]
+        self._replace = _heap_write(HeapList, backend, meta, self, _LIST_SET).replace
+
+    def update(self, values: Iterable[Any]) -> None:
+        items = list(values)
+        if not items:
+            self.clear()
+            return
+        replace = self._replace
+        replace(items)
 
 
 class _LoggedMapState(_Logged):

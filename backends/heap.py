@@ -141,8 +141,8 @@ class _HeapListState(_Entries, HeapList):
         if not items:
             self.clear()
             return
-        b = self._backend
-        self._table.setdefault(b.current_key_group, {})[b.current_key] = items
+        replace = self.replace  # the C write the changelog wrapper's LIST_SET makes too
+        replace(items)
 
 
 class _HeapMapState(_Entries, HeapMap):

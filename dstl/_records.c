@@ -15,7 +15,11 @@
  *       KIND_INT64 (int or __index__, written as 8 little-endian bytes, like struct "<q"),
  *       KIND_FLOAT64 (float or __float__, like struct "<d"), KIND_STR (str, UTF-8, like
  *       str.encode). They accept what those accept; None is refused.
- *   Both check every argument before writing anything, so a refused record changes
+ *   append_typed_list(op, key, key_group, user_key, values) -> bool
+ *       values is a list; each element is converted by the value kind and the value is
+ *       their framing as backends.serializers.pack_list writes it (4-byte little-endian
+ *       length, then the bytes, per element): a list state's LIST_SET in one call.
+ *   All check every argument before writing anything, so a refused record changes
  *   nothing (TypeError, OverflowError, UnicodeEncodeError), and return True when the
  *   buffer holds ``capacity`` records or ``max_bytes`` bytes: time to take() it.
  *   user_key_kind KIND_NONE: the buffer has no user-key column (user_key must be None).
@@ -367,14 +371,19 @@ grow_rows(RecordColumns *self, Py_ssize_t cap)
     return 0;
 }
 
-/* Append one record: ``args`` = (op, key, key_group, user_key, value). 1 when the buffer
- * is full, 0 when not, -1 with an exception set (then nothing was appended). Hot: the
- * capsule calls it once per logged heap write. */
+/* The parts of a record besides its value, checked and converted. */
+typedef struct {
+    long long op;
+    long long kg;
+    Cell key;
+    Cell uk;
+    int has_uk;
+} Head;
+
 static int
-do_append(RecordColumns *self, PyObject *const *args, int typed)
+head_parse(RecordColumns *self, PyObject *const *args, int typed, Head *h)
 {
-    long long op, kg;
-    if (as_ranged(args[0], -128, 127, "op", &op) < 0) {
+    if (as_ranged(args[0], -128, 127, "op", &h->op) < 0) {
         return -1;
     }
     PyObject *key = args[1];
@@ -382,56 +391,148 @@ do_append(RecordColumns *self, PyObject *const *args, int typed)
         PyErr_Format(PyExc_TypeError, "key: expected bytes, got %.100s", Py_TYPE(key)->tp_name);
         return -1;
     }
-    if (as_ranged(args[2], INT32_MIN, INT32_MAX, "key group", &kg) < 0) {
+    if (as_ranged(args[2], INT32_MIN, INT32_MAX, "key group", &h->kg) < 0) {
         return -1;
     }
-    Cell uk = {NULL, 0, {0}, 1};
-    int has_uk = self->uk_kind != KIND_NONE;
-    if (!has_uk) {
+    h->key = (Cell){PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), {0}, 0};
+    h->uk = (Cell){NULL, 0, {0}, 1};
+    h->has_uk = self->uk_kind != KIND_NONE;
+    if (!h->has_uk) {
         if (args[3] != Py_None) {
             PyErr_SetString(PyExc_TypeError, "user_key: this buffer has no user-key column");
             return -1;
         }
+        return 0;
     }
-    else if ((typed ? cell_typed(args[3], self->uk_kind, "user key", &uk)
-                    : cell_raw(args[3], "user key", &uk)) < 0) {
-        return -1;
+    return typed ? cell_typed(args[3], self->uk_kind, "user key", &h->uk)
+                 : cell_raw(args[3], "user key", &h->uk);
+}
+
+/* Write a value framed as backends.serializers.pack_list frames list elements: each part
+ * as its 4-byte little-endian length, then its bytes (the room is reserved). */
+static void
+framed_write(BinCol *c, Py_ssize_t row, const Cell *parts, Py_ssize_t nparts)
+{
+    for (Py_ssize_t i = 0; i < nparts; i++) {
+        uint32_t n = (uint32_t)parts[i].len;
+        char *out = c->data.data + c->data.len;
+        for (int b = 0; b < 4; b++) {
+            out[b] = (char)((n >> (8 * b)) & 0xFF);
+        }
+        if (n) {
+            memcpy(out + 4, parts[i].ptr, n);
+        }
+        c->data.len += 4 + (Py_ssize_t)n;
     }
-    Cell value;
-    if ((typed ? cell_typed(args[4], self->value_kind, "value", &value)
-               : cell_raw(args[4], "value", &value)) < 0) {
-        return -1;
-    }
-    Cell key_cell = {PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), {0}, 0};
+    c->offsets[row + 1] = (int32_t)c->data.len;
+}
+
+/* Append the record: everything was checked, now reserve and write. ``parts`` (when not
+ * NULL) are the list elements ``value`` frames. 1 full, 0 not, -1 out of memory. */
+static int
+commit(RecordColumns *self, const Head *h, const Cell *value, const Cell *parts,
+       Py_ssize_t nparts)
+{
     Py_ssize_t row = self->rows;
     if ((row == self->row_cap && grow_rows(self, 2 * self->row_cap) < 0) ||
-        bincol_reserve(&self->keys, &key_cell, self->row_cap) < 0 ||
-        (has_uk && bincol_reserve(&self->uks, &uk, self->row_cap) < 0) ||
-        bincol_reserve(&self->values, &value, self->row_cap) < 0) {
+        bincol_reserve(&self->keys, &h->key, self->row_cap) < 0 ||
+        (h->has_uk && bincol_reserve(&self->uks, &h->uk, self->row_cap) < 0) ||
+        bincol_reserve(&self->values, value, self->row_cap) < 0) {
         return -1;
     }
     /* Everything is checked and reserved: nothing below can fail. */
-    self->key_groups[row] = (int32_t)kg;
-    self->ops[row] = (int8_t)op;
-    bincol_write(&self->keys, row, &key_cell);
-    if (has_uk) {
-        bincol_write(&self->uks, row, &uk);
+    self->key_groups[row] = (int32_t)h->kg;
+    self->ops[row] = (int8_t)h->op;
+    bincol_write(&self->keys, row, &h->key);
+    if (h->has_uk) {
+        bincol_write(&self->uks, row, &h->uk);
     }
-    bincol_write(&self->values, row, &value);
+    if (parts != NULL) {
+        framed_write(&self->values, row, parts, nparts);
+    }
+    else {
+        bincol_write(&self->values, row, value);
+    }
     self->rows = row + 1;
     return self->rows >= self->capacity ||
            self->keys.data.len + self->uks.data.len + self->values.data.len >= self->max_bytes;
 }
 
+/* Append one record: ``args`` = (op, key, key_group, user_key, value). 1 when the buffer
+ * is full, 0 when not, -1 with an exception set (then nothing was appended). Hot: the
+ * capsule calls it once per logged heap write. */
+static int
+do_append(RecordColumns *self, PyObject *const *args, int typed)
+{
+    Head h;
+    Cell value;
+    if (head_parse(self, args, typed, &h) < 0 ||
+        (typed ? cell_typed(args[4], self->value_kind, "value", &value)
+               : cell_raw(args[4], "value", &value)) < 0) {
+        return -1;
+    }
+    return commit(self, &h, &value, NULL, 0);
+}
+
+/* Like do_append (typed), with ``args[4]`` a list whose elements are converted by the
+ * value kind and framed into one value (a list state's LIST_SET). */
+static int
+do_append_list(RecordColumns *self, PyObject *const *args)
+{
+    Head h;
+    if (head_parse(self, args, 1, &h) < 0) {
+        return -1;
+    }
+    if (!PyList_Check(args[4])) {
+        PyErr_Format(PyExc_TypeError, "value: expected a list, got %.100s",
+                     Py_TYPE(args[4])->tp_name);
+        return -1;
+    }
+    /* A snapshot: converting an element may run Python code that changes the list. */
+    PyObject *items = PyList_AsTuple(args[4]);
+    if (items == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    Cell small[16];
+    Cell *parts = n <= 16 ? small : PyMem_New(Cell, (size_t)n);
+    Cell value = {NULL, 0, {0}, 0};
+    int result = -1;
+    if (parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cell_typed(PyTuple_GET_ITEM(items, i), self->value_kind, "list element",
+                       &parts[i]) < 0) {
+            goto done;
+        }
+        if (parts[i].len > (Py_ssize_t)UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "list element: longer than 4 GiB");
+            goto done;
+        }
+        value.len += 4 + parts[i].len;
+    }
+    result = commit(self, &h, &value, parts, n);
+done:
+    if (parts != small) {
+        PyMem_Free(parts); /* NULL-safe */
+    }
+    Py_DECREF(items); /* after the write: the parts point into the elements */
+    return result;
+}
+
+/* ``how``: 0 append, 1 append_typed, 2 append_typed_list. */
 static PyObject *
-append_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs, int typed)
+append_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs, int how)
 {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
                         "append(op, key, key_group, user_key, value) takes 5 arguments");
         return NULL;
     }
-    int full = do_append((RecordColumns *)self, args, typed);
+    int full = how == 2 ? do_append_list((RecordColumns *)self, args)
+                        : do_append((RecordColumns *)self, args, how);
     if (full < 0) {
         return NULL;
     }
@@ -450,6 +551,12 @@ rc_append_typed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return append_method(self, args, nargs, 1);
 }
 
+static PyObject *
+rc_append_typed_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return append_method(self, args, nargs, 2);
+}
+
 /* The C-level typed append for other extension modules (see records_capi.h): the same as
  * append_typed with ``args`` = (op, key, key_group, user_key, value); 1 when the buffer
  * is full, 0 when not, -1 with an exception set. ``rc`` must be a RecordColumns. */
@@ -457,6 +564,13 @@ static int
 capi_append_typed(PyObject *rc, PyObject *const *args)
 {
     return do_append((RecordColumns *)rc, args, 1);
+}
+
+/* The same with ``args[4]`` a list, framed into one value (see do_append_list). */
+static int
+capi_append_typed_list(PyObject *rc, PyObject *const *args)
+{
+    return do_append_list((RecordColumns *)rc, args);
 }
 
 static PyObject *
@@ -575,6 +689,8 @@ static PyMethodDef rc_methods[] = {
      "append(op, key, key_group, user_key, value) -> bool: one record of serialized parts"},
     {"append_typed", (PyCFunction)(void (*)(void))rc_append_typed, METH_FASTCALL,
      "append_typed(op, key, key_group, user_key, value) -> bool: parts converted by kind"},
+    {"append_typed_list", (PyCFunction)(void (*)(void))rc_append_typed_list, METH_FASTCALL,
+     "append_typed_list(op, key, key_group, user_key, values) -> bool: a list, framed"},
     {"take", rc_take, METH_NOARGS, "take() -> tuple | None: the buffered columns; empties"},
     {NULL, NULL, 0, NULL},
 };
@@ -645,6 +761,7 @@ PyInit__records(void)
     static RecordsCAPI capi;
     capi.type = &RecordColumnsType;
     capi.append_typed = capi_append_typed;
+    capi.append_typed_list = capi_append_typed_list;
     PyObject *capsule = PyCapsule_New(&capi, RECORDS_CAPI_NAME, NULL);
     int added = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "_C_API", capsule);
     Py_XDECREF(capsule);

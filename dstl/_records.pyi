@@ -21,6 +21,9 @@ class RecordColumns:
     def append_typed(
         self, op: int, key: bytes, key_group: int, user_key: object, value: object
     ) -> bool: ...
+    def append_typed_list(
+        self, op: int, key: bytes, key_group: int, user_key: object, values: list[object]
+    ) -> bool: ...
     def take(
         self,
     ) -> tuple[int, bytes, bytes, bytes, bytes, _Column | None, _Column] | None: ...

@@ -5,7 +5,10 @@
  * ``type`` is RecordColumns (check objects with PyObject_TypeCheck before appending);
  * ``append_typed(rc, args)`` is RecordColumns.append_typed with the five arguments
  * (op, key, key_group, user_key, value): 1 when the buffer is full, 0 when not, -1 with
- * an exception set (then nothing was appended). Task thread only, like the buffer.
+ * an exception set (then nothing was appended). ``append_typed_list(rc, args)`` is the
+ * same with ``args[4]`` a list: its elements are converted by the value kind and framed
+ * into one value as backends.serializers.pack_list frames them (a list's LIST_SET).
+ * Task thread only, like the buffer.
  */
 #ifndef DSTL_RECORDS_CAPI_H
 #define DSTL_RECORDS_CAPI_H
@@ -17,6 +20,7 @@
 typedef struct {
     PyTypeObject *type;
     int (*append_typed)(PyObject *rc, PyObject *const *args);
+    int (*append_typed_list)(PyObject *rc, PyObject *const *args);
 } RecordsCAPI;
 
 #endif

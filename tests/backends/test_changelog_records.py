@@ -16,7 +16,7 @@ from backends import (
     TimerService,
     ValueStateDescriptor,
 )
-from backends.serializers import FLOAT64, INT64, STR, ttl_of, tuple_of
+from backends.serializers import FLOAT64, INT64, STR, pack_list, ttl_of, tuple_of
 from dstl import read_changes
 from tests.backends.conftest import Factory
 from tests.backends.helpers import MeanAgg
@@ -71,6 +71,9 @@ def test_every_state_type_logs_typed_records(factory: Factory, store_kind: str) 
         ("__timers__.processing", Op.TIMER_REGISTER),
         ("__timers__.processing", Op.TIMER_DELETE),
     ]
+    # both stores frame a LIST_SET the same way (the heap's in C, RocksDB's with pack_list)
+    list_set = next(val for n, op, _, val in recs if op == Op.LIST_SET)
+    assert list_set == pack_list([b"y", b"z"])
     acc = [val for n, op, _, val in recs if n == "r" and op == Op.ACC_SET]
     assert [INT64.deserialize(a) for a in acc if a] == [2, 5]  # the accumulator, not the input
     g_acc = next(val for n, op, _, val in recs if n == "g" and op == Op.ACC_SET)

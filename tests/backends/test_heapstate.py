@@ -151,3 +151,41 @@ def test_an_unhashable_key_is_refused_before_it_is_logged() -> None:
         m.put(["u"], 1)
     assert len(value_records) == 0 and len(map_records) == 0
     assert v._table == {} and m._table == {}
+
+
+def test_replace_stores_the_list_and_logs_every_element_in_one_record() -> None:
+    from backends.serializers import INT64 as INT64_SER
+    from backends.serializers import pack_list
+
+    ctx = Ctx().at("k", 2)
+    table: dict[Any, Any] = {}
+    plain = HeapList(ctx, {})
+    items = [3, 4, 5]
+    plain.replace(items)
+    assert plain._table == {2: {"k": items}} and plain._table[2]["k"] is items
+    records = RecordColumns(8, 1 << 20, KIND_NONE, KIND_INT64)
+    logged = HeapList(ctx, table, records, 9, lambda: None)
+    logged.add(1)
+    logged.replace([7, 8])
+    assert table == {2: {"k": [7, 8]}}
+    taken = records.take()
+    assert taken is not None
+    rows, _, ops, _, _, _, values = taken
+    assert (rows, ops) == (2, b"\t\t")  # the op it was made with (LIST_SET's, in the wrapper)
+    offsets = memoryview(values[2]).cast("i")
+    assert values[3][offsets[1] : offsets[2]] == pack_list([INT64_SER.serialize(v) for v in (7, 8)])
+
+
+def test_replace_refuses_a_bad_element_or_a_non_list_and_changes_nothing() -> None:
+    ctx = Ctx().at("k", 2)
+    records = RecordColumns(8, 1 << 20, KIND_NONE, KIND_INT64)
+    lst = HeapList(ctx, {}, records, 9, lambda: None)
+    lst.replace([1])
+    records.take()
+    with pytest.raises(TypeError):
+        lst.replace([2, "x"])
+    with pytest.raises(OverflowError):
+        lst.replace([2, 1 << 64])
+    with pytest.raises(TypeError):
+        lst.replace((2, 3))  # type: ignore[arg-type]
+    assert lst._table == {2: {"k": [1]}} and len(records) == 0

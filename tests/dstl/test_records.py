@@ -227,3 +227,55 @@ def test_a_truncate_drops_record_buffer_chunks_below_it(tmp_path: Any) -> None:
     tables = list(read_changes(fileio, handles))
     assert [k for t in tables for k in t.column("key").to_pylist()] == [b"new"]
     assert [s for t in tables for s in t.column("sqn").to_pylist()] == [boundary]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_list_value_is_framed_as_pack_list_frames_it(data: st.DataObject) -> None:
+    from backends.serializers import pack_list
+
+    kind = data.draw(st.sampled_from([KIND_BYTES, KIND_INT64, KIND_FLOAT64, KIND_STR]))
+    buf = RecordColumns(64, 1 << 30, KIND_NONE, kind)
+    lists = data.draw(st.lists(st.lists(values_of[kind], max_size=20), min_size=1, max_size=10))
+    for i, items in enumerate(lists):
+        buf.append_typed_list(4, b"k", i, None, items)
+    taken = buf.take()
+    _valid(taken)
+    assert _columns(taken)["value"] == [pack_list([SERIALIZE[kind](v) for v in x]) for x in lists]
+
+
+def test_a_refused_list_element_appends_nothing() -> None:
+    buf = RecordColumns(64, 1 << 20, KIND_NONE, KIND_INT64)
+    buf.append_typed_list(4, b"k", 0, None, [1, 2])
+    with pytest.raises(OverflowError):
+        buf.append_typed_list(4, b"k", 0, None, [1, 1 << 63])
+    with pytest.raises(TypeError):
+        buf.append_typed_list(4, b"k", 0, None, [1, "2"])
+    with pytest.raises(TypeError):
+        buf.append_typed_list(4, b"k", 0, None, (1, 2))  # a list, nothing else
+    many = list(range(100))  # more elements than the converter keeps on its stack
+    buf.append_typed_list(4, b"k", 1, None, many)
+    taken = buf.take()
+    assert taken is not None and taken[0] == 2
+    assert _columns(taken)["value"] == [
+        struct.pack("<I", 8).join([b"", *(struct.pack("<q", v) for v in (1, 2))]),
+        b"".join(struct.pack("<I", 8) + struct.pack("<q", v) for v in many),
+    ]
+
+
+def test_a_list_changed_while_its_elements_convert_is_framed_as_it_was() -> None:
+    items: list[Any] = []
+
+    class Grows:
+        def __index__(self) -> int:
+            items.append(99)  # the buffer converts a snapshot
+            return 5
+
+    items.extend([1, Grows(), 3])
+    buf = RecordColumns(64, 1 << 20, KIND_NONE, KIND_INT64)
+    buf.append_typed_list(4, b"k", 0, None, items)
+    taken = buf.take()
+    assert taken is not None
+    from backends.serializers import pack_list
+
+    assert _columns(taken)["value"] == [pack_list([struct.pack("<q", v) for v in (1, 5, 3)])]
