@@ -161,12 +161,14 @@ class _LoggedHeapValueState(_LoggedValueState):
 class _LoggedListState(_Logged):
     """Raw list state that logs LIST_ADD / LIST_SET / CLEAR. Task thread only."""
 
-    __slots__ = ("_add_bytes", "_ser", "get")
+    __slots__ = ("_add_bytes", "_ser", "_set_bytes", "get")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta) -> None:
         super().__init__(backend, inner, meta)
         self._ser = meta.raw_value_ser().serialize
+        # Stores that keep bytes (RocksDB) take the bytes we serialize for the log.
         self._add_bytes: Callable[[bytes], None] | None = getattr(inner, "add_serialized", None)
+        self._set_bytes: Callable[[bytes], None] | None = getattr(inner, "update_serialized", None)
         self.get: Callable[[], list[Any]] = inner.get  # reads: no extra call layer
 
     def add(self, value: Any) -> None:
@@ -185,9 +187,12 @@ class _LoggedListState(_Logged):
         if not items:
             self.clear()
             return
-        ser = self._ser
+        ser, set_bytes = self._ser, self._set_bytes
         data = pack_list([ser(v) for v in items])  # first: nothing changes if one is refused
-        self._inner.update(items)
+        if set_bytes is None:
+            self._inner.update(items)
+        else:
+            set_bytes(data)
         b, append = self._backend, self._append
         if append(_LIST_SET, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()

@@ -217,12 +217,16 @@ class _RocksListState:
     def update(self, values: Iterable[Any]) -> None:
         ser = self._ser.serialize
         items = [ser(v) for v in values]
-        b = self._b
-        row = b._kgb + self._sid + b._kpart
         if items:
-            self._db.put(row, pack_list(items))
+            self.update_serialized(pack_list(items))
         else:
-            self._db.delete(row)
+            self.clear()
+
+    def update_serialized(self, framed: bytes) -> None:
+        """Make the list the already framed elements ``framed`` (:func:`pack_list` of at
+        least one serialized element): what the changelog wrapper logs is what is stored."""
+        b = self._b
+        self._db.put(b._kgb + self._sid + b._kpart, framed)
 
     def clear(self) -> None:
         b = self._b
