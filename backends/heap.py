@@ -141,8 +141,7 @@ class _HeapListState(_Entries, HeapList):
         if not items:
             self.clear()
             return
-        replace = self.replace  # the C write the changelog wrapper's LIST_SET makes too
-        replace(items)
+        self.replace(items)  # the C write the changelog wrapper's LIST_SET makes too
 
 
 class _HeapMapState(_Entries, HeapMap):

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from backends._heapstate import HeapList, HeapMap, HeapValue, KeyContext
+from backends.serializers import INT64, pack_list
 from dstl._records import KIND_INT64, KIND_NONE, KIND_STR, RecordColumns
 
 
@@ -154,9 +155,6 @@ def test_an_unhashable_key_is_refused_before_it_is_logged() -> None:
 
 
 def test_replace_stores_the_list_and_logs_every_element_in_one_record() -> None:
-    from backends.serializers import INT64 as INT64_SER
-    from backends.serializers import pack_list
-
     ctx = Ctx().at("k", 2)
     table: dict[Any, Any] = {}
     plain = HeapList(ctx, {})
@@ -173,7 +171,7 @@ def test_replace_stores_the_list_and_logs_every_element_in_one_record() -> None:
     rows, _, ops, _, _, _, values = taken
     assert (rows, ops) == (2, b"\t\t")  # the op it was made with (LIST_SET's, in the wrapper)
     offsets = memoryview(values[2]).cast("i")
-    assert values[3][offsets[1] : offsets[2]] == pack_list([INT64_SER.serialize(v) for v in (7, 8)])
+    assert values[3][offsets[1] : offsets[2]] == pack_list([INT64.serialize(v) for v in (7, 8)])
 
 
 def test_replace_refuses_a_bad_element_or_a_non_list_and_changes_nothing() -> None:

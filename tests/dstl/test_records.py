@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends.serializers import pack_list
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl._records import (
     KIND_BYTES,
@@ -232,8 +233,6 @@ def test_a_truncate_drops_record_buffer_chunks_below_it(tmp_path: Any) -> None:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_a_list_value_is_framed_as_pack_list_frames_it(data: st.DataObject) -> None:
-    from backends.serializers import pack_list
-
     kind = data.draw(st.sampled_from([KIND_BYTES, KIND_INT64, KIND_FLOAT64, KIND_STR]))
     buf = RecordColumns(64, 1 << 30, KIND_NONE, kind)
     lists = data.draw(st.lists(st.lists(values_of[kind], max_size=20), min_size=1, max_size=10))
@@ -276,6 +275,4 @@ def test_a_list_changed_while_its_elements_convert_is_framed_as_it_was() -> None
     buf.append_typed_list(4, b"k", 0, None, items)
     taken = buf.take()
     assert taken is not None
-    from backends.serializers import pack_list
-
     assert _columns(taken)["value"] == [pack_list([struct.pack("<q", v) for v in (1, 5, 3)])]
