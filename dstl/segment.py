@@ -62,6 +62,12 @@ SCHEMA = pa.schema(
 
 
 _SINK_BUFFER_BYTES = 4 << 20
+# A column's dictionary grows to this size before Parquet falls back to plain encoding.
+# Arrow's default (1 MiB) made a segment of high-cardinality values (random map values)
+# build a large dictionary, then throw it away: 128 KiB keeps the dictionary for what
+# repeats (key groups, states, ops, a few thousand keys, enum-like values) and cut the
+# encoding CPU by ~30% and the bytes by ~14% on the state-ops workloads (see issue 4).
+_DICTIONARY_PAGE_BYTES = 128 << 10
 _WRITER_FIELD = SCHEMA.field("writer")
 
 
@@ -92,6 +98,7 @@ def encode_segment(blocks: list[Block]) -> bytes:
         compression="zstd",
         write_page_checksum=True,
         write_statistics=["sqn", "key_group"],
+        dictionary_pagesize_limit=_DICTIONARY_PAGE_BYTES,
     )
     try:
         for block in blocks:

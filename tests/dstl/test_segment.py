@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,39 @@ def test_footer_describes_the_segment() -> None:
     tables = _read_all(data)
     assert tables[1]["key"].to_pylist() == BLOCKS[1].table["key"].to_pylist()
     assert tables[0]["user_key"].to_pylist() == BLOCKS[0].table["user_key"].to_pylist()
+
+
+def test_dictionaries_stay_small_for_values_that_do_not_repeat() -> None:
+    """A high-cardinality column falls back to plain encoding early (its dictionary page
+    stays near 128 KiB, not Arrow's 1 MiB), while repeating columns keep theirs."""
+    n = 100_000
+    rnd = random.Random(7)
+    rows = [rnd.randbytes(16) for _ in range(n)]  # incompressible, all distinct
+    table = pa.Table.from_pydict(
+        {
+            "key_group": [i % 128 for i in range(n)],
+            "sqn": [1] * n,
+            "state": ["m"] * n,
+            "op": [1] * n,
+            "key": [f"key-{i % 5000}".encode() for i in range(n)],
+            "user_key": [None] * n,
+            "value": rows,
+        },
+        schema=BLOCK_SCHEMA,
+    )
+    pf = pq.ParquetFile(io.BytesIO(encode_segment([Block("w", 1, 2, table)])))
+    columns = {c.path_in_schema: c for c in map(pf.metadata.row_group(0).column, range(8))}
+
+    def dictionary_bytes(name: str) -> int:
+        c = columns[name]
+        assert c.has_dictionary_page, name
+        return int(c.data_page_offset - c.dictionary_page_offset)
+
+    assert dictionary_bytes("value") < 200_000
+    assert "PLAIN" in columns["value"].encodings
+    assert dictionary_bytes("key") > 0  # 5000 distinct keys: dictionary-encoded
+    assert columns["key"].total_compressed_size < columns["value"].total_compressed_size / 4
+    assert pf.read()["value"].to_pylist() == rows
 
 
 def test_bit_flips_are_detected_or_harmless() -> None:
