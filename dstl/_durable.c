@@ -1,4 +1,4 @@
-/* dstl._durable: publish a new local file durably, in one call that releases the GIL once.
+/* dstl._durable: the upload thread's blocking I/O, each in one call that releases the GIL once.
  *
  * Why C: the upload thread writes each changelog segment while the task thread is busy
  * running Python. In CPython 3.11 every call that releases the GIL (each os.open,
@@ -16,13 +16,30 @@
  *     and OSError (FileNotFoundError for a missing directory, FileExistsError ...) is
  *     raised naming the file; ``name`` exists only if the call succeeded up to the link.
  *
- * Thread-safe (no shared state); the data buffer is held for the duration of the call.
+ * exchange(wfd, rfd, parts, capacity, timeout) -> (status, bytes)
+ *     One request/reply round trip with a helper process (dstl.encoder): write every
+ *     buffer of ``parts`` to ``wfd``, then read a 16-byte header (status, length: two
+ *     little-endian int64) and ``length`` reply bytes from ``rfd``. Both descriptors
+ *     must be non-blocking (the call polls them), so it gives up with TimeoutError once
+ *     ``timeout`` seconds have passed in total. ``capacity`` is a guess of the reply's
+ *     size: the reply is read straight into a bytes object of that size (shrunk after),
+ *     releasing the GIL once; a longer reply costs a second release. EOFError when the
+ *     peer closed its end, OSError for other failures (BrokenPipeError when it exited);
+ *     after any failure the stream is out of step and the helper must be replaced.
+ *
+ * Thread-safe (no shared state); the data buffers are held for the duration of a call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef O_CLOEXEC
@@ -167,16 +184,250 @@ done:
     return result;
 }
 
+/* -- exchange ------------------------------------------------------------------------ */
+
+/* Why the exchange stopped, for the error raised once the GIL is back. */
+enum Fail { FAIL_NONE, FAIL_ERRNO, FAIL_EOF, FAIL_TIMEOUT, FAIL_HEADER };
+
+static double
+now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Wait until ``fd`` is ready for ``events`` or the deadline passes. */
+static enum Fail
+wait_fd(int fd, short events, double deadline)
+{
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0) {
+            return FAIL_TIMEOUT;
+        }
+        struct pollfd p = {.fd = fd, .events = events};
+        int ms = left > 1e6 ? 1000000000 : (int)(left * 1000.0) + 1;
+        int r = poll(&p, 1, ms);
+        if (r > 0) {
+            return FAIL_NONE; /* readable, writable, or hung up: the I/O call tells which */
+        }
+        if (r < 0 && errno != EINTR) {
+            return FAIL_ERRNO;
+        }
+    }
+}
+
+static enum Fail
+send_iov(int fd, struct iovec *iov, int count, double deadline)
+{
+    while (count > 0) {
+        ssize_t n = writev(fd, iov, count > IOV_MAX ? IOV_MAX : count);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                return FAIL_ERRNO;
+            }
+            enum Fail f = wait_fd(fd, POLLOUT, deadline);
+            if (f != FAIL_NONE) {
+                return f;
+            }
+            continue;
+        }
+        while (count > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            count--;
+        }
+        if (count > 0) {
+            iov->iov_base = (char *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return FAIL_NONE;
+}
+
+static enum Fail
+recv_exact(int fd, char *p, int64_t len, double deadline)
+{
+    while (len > 0) {
+        ssize_t n = read(fd, p, (size_t)(len > (1 << 30) ? (1 << 30) : len));
+        if (n > 0) {
+            p += n;
+            len -= n;
+            continue;
+        }
+        if (n == 0) {
+            return FAIL_EOF;
+        }
+        if (errno == EINTR) {
+            continue;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            return FAIL_ERRNO;
+        }
+        enum Fail f = wait_fd(fd, POLLIN, deadline);
+        if (f != FAIL_NONE) {
+            return f;
+        }
+    }
+    return FAIL_NONE;
+}
+
+static int64_t
+le64(const unsigned char *b)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) {
+        v = (v << 8) | b[i];
+    }
+    return (int64_t)v;
+}
+
+static PyObject *
+raise_fail(enum Fail f, int saved_errno)
+{
+    switch (f) {
+    case FAIL_EOF:
+        PyErr_SetString(PyExc_EOFError, "the helper process closed its pipe");
+        break;
+    case FAIL_TIMEOUT:
+        PyErr_SetString(PyExc_TimeoutError, "the helper process did not answer in time");
+        break;
+    case FAIL_HEADER:
+        PyErr_SetString(PyExc_OSError, "the helper process sent a malformed reply header");
+        break;
+    default:
+        errno = saved_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return NULL;
+}
+
+static PyObject *
+durable_exchange(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "exchange(wfd, rfd, parts, capacity, timeout) takes 5 arguments");
+        return NULL;
+    }
+    long wfd = PyLong_AsLong(args[0]);
+    long rfd = PyErr_Occurred() ? -1 : PyLong_AsLong(args[1]);
+    Py_ssize_t capacity = PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[3]);
+    double timeout = PyErr_Occurred() ? -1.0 : PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (wfd < 0 || wfd > INT_MAX || rfd < 0 || rfd > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "exchange: bad file descriptor");
+        return NULL;
+    }
+    if (capacity < 0 || !(timeout >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "exchange: capacity and timeout must be >= 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[2], "exchange: parts must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count > INT_MAX / 2) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "exchange: too many parts");
+        return NULL;
+    }
+    Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
+    PyObject *reply = NULL, *result = NULL;
+    Py_ssize_t held = 0;
+    if (views == NULL || iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < count; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &views[held],
+                               PyBUF_SIMPLE) < 0) {
+            goto done;
+        }
+        iov[held].iov_base = views[held].buf;
+        iov[held].iov_len = (size_t)views[held].len;
+    }
+    reply = PyBytes_FromStringAndSize(NULL, capacity);
+    if (reply == NULL) {
+        goto done;
+    }
+    unsigned char header[16];
+    int64_t status = 0, length = 0;
+    enum Fail f;
+    int saved = 0;
+    double deadline;
+    Py_BEGIN_ALLOW_THREADS
+    deadline = now_s() + timeout;
+    f = send_iov((int)wfd, iov, (int)count, deadline);
+    if (f == FAIL_NONE) {
+        f = recv_exact((int)rfd, (char *)header, 16, deadline);
+    }
+    if (f == FAIL_NONE) {
+        status = le64(header);
+        length = le64(header + 8);
+        if (status < 0 || status > 255 || length < 0 || length > ((int64_t)1 << 40)) {
+            f = FAIL_HEADER;
+        }
+    }
+    if (f == FAIL_NONE) {
+        f = recv_exact((int)rfd, PyBytes_AS_STRING(reply),
+                       length < capacity ? length : (int64_t)capacity, deadline);
+    }
+    saved = errno;
+    Py_END_ALLOW_THREADS
+    if (f != FAIL_NONE) {
+        raise_fail(f, saved);
+        goto done;
+    }
+    if (length > capacity) { /* a longer reply than guessed: grow, then read the rest */
+        if (_PyBytes_Resize(&reply, (Py_ssize_t)length) < 0) {
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        f = recv_exact((int)rfd, PyBytes_AS_STRING(reply) + capacity, length - capacity, deadline);
+        saved = errno;
+        Py_END_ALLOW_THREADS
+        if (f != FAIL_NONE) {
+            raise_fail(f, saved);
+            goto done;
+        }
+    }
+    else if (_PyBytes_Resize(&reply, (Py_ssize_t)length) < 0) {
+        goto done;
+    }
+    result = Py_BuildValue("(LO)", (long long)status, reply);
+done:
+    Py_XDECREF(reply);
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(views);
+    PyMem_Free(iov);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef durable_methods[] = {
     {"write_new", (PyCFunction)(void (*)(void))durable_write_new, METH_FASTCALL,
      "write_new(directory, tmp_name, name, data): publish a new file durably (see source)"},
+    {"exchange", (PyCFunction)(void (*)(void))durable_exchange, METH_FASTCALL,
+     "exchange(wfd, rfd, parts, capacity, timeout) -> (status, bytes): one round trip "
+     "with a helper process (see source)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef durable_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dstl._durable",
-    .m_doc = "Publish a new local file durably, in one call that releases the GIL once.",
+    .m_doc = "Durable local writes and helper-process round trips, each releasing the GIL once.",
     .m_size = -1,
     .m_methods = durable_methods,
 };

@@ -26,7 +26,6 @@ not-yet-truncated range may still need it; closing deletes nothing.
 
 from __future__ import annotations
 
-import array
 import logging
 import queue
 import random
@@ -34,24 +33,24 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dstl import layout
 from dstl._records import RecordColumns
+from dstl.buffer import ChangeBuffer, as_binary, as_int32
+from dstl.encoder import PendingBlock, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
-from dstl.segment import SCHEMA, Block, SegmentReader, encode_segment
+from dstl.segment import SegmentReader
 from dstl.tracking import SegmentTracker
 
 log = logging.getLogger(__name__)
 
-BLOCK_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "writer"])
 META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
 SMALL_COLUMNS = 32  # append_columns of fewer rows (as Python lists) adds them as single records
@@ -132,216 +131,14 @@ class ChangelogOptions:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
-class ChangeBuffer:
-    """Buffer of change records of one writer. Task thread only.
-
-    Records arrive one at a time (:meth:`append`: metadata, tests), as the columns a
-    :class:`~dstl._records.RecordColumns` hands over (:meth:`add_records`: the changelog
-    wrapper's hot path) or as Arrow columns of one state (:meth:`add_columns`: the batch
-    path). They are kept as *chunks* whose ``sqn`` and ``state`` (and ``op``, when one
-    for all) are stored once, not per row: they are expanded to columns only in
-    :meth:`to_table`. Single records collect in plain lists, sealed into a chunk before
-    the next columns arrive, so the buffer keeps the order records were appended in.
-
-    Record-buffer columns stay plain bytes until :meth:`to_table`: the pyarrow calls
-    that wrap them release and retake the GIL, and made every ~3 ms on the task thread
-    they starve every other thread (in CPython 3.11 a waiting thread asks for the GIL
-    only after 5 ms without a switch). The upload thread then needed ~100 ms per GIL
-    round trip instead of ~5 ms. At a persist they run in one burst instead.
-    """
-
-    __slots__ = ("_chunks", "_rows", "last_sqn", "nbytes", "rows")
-
-    def __init__(self) -> None:
-        # A chunk: (rows, nbytes, sqn, state, op, key_group, key, user_key, value) with
-        # Arrow columns (user_key None: all null), (rows, nbytes, sqn, state, taken)
-        # with what RecordColumns.take() returned, or (rows, nbytes, RecordBatch).
-        self._chunks: list[tuple[Any, ...]] = []
-        self._rows: tuple[list[Any], ...] = ([], [], [], [], [], [], [])
-        self.nbytes = 0
-        self.rows = 0
-        self.last_sqn: int | None = None
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def append(
-        self,
-        key_group: int,
-        sqn: int,
-        state: str,
-        op: int,
-        key: bytes,
-        user_key: bytes | None,
-        value: bytes | None,
-    ) -> None:
-        """Add one record."""
-        kgs, sqns, states, ops, keys, uks, vals = self._rows
-        kgs.append(key_group)
-        sqns.append(sqn)
-        states.append(state)
-        ops.append(op)
-        keys.append(key)
-        uks.append(user_key)
-        vals.append(value)
-        self.rows += 1
-        self.last_sqn = sqn
-        self.nbytes += (
-            24 + len(key) + (len(user_key) if user_key else 0) + (len(value) if value else 0)
-        )
-
-    def add_columns(
-        self,
-        sqn: int,
-        state: str,
-        op: int | pa.Array,
-        key_groups: pa.Array,
-        keys: pa.Array,
-        user_keys: pa.Array | None,
-        values: pa.Array,
-    ) -> None:
-        """Add ``len(keys)`` records of one change set and state; ``op`` is one operation for
-        all of them or an int8 array of one per record."""
-        n = len(keys)
-        if not n:
-            return
-        nbytes = 13 * n + key_groups.nbytes + keys.nbytes + values.nbytes
-        if user_keys is not None:
-            nbytes += user_keys.nbytes
-        self._add_chunk((n, nbytes, sqn, state, op, key_groups, keys, user_keys, values))
-
-    def add_records(self, sqn: int, state: str, taken: tuple[Any, ...]) -> None:
-        """Add the records a :class:`~dstl._records.RecordColumns` ``take()`` returned."""
-        rows, key_groups, ops, key_offsets, key_data, user_keys, values = taken
-        parts = (key_groups, ops, key_offsets, key_data, *values[2:], *(user_keys or ())[2:])
-        nbytes = 13 * rows + sum(map(len, parts))  # as add_columns counts
-        self._add_chunk((rows, nbytes, sqn, state, taken))
-
-    def _add_chunk(self, chunk: tuple[Any, ...]) -> None:
-        self._seal_rows()
-        self._chunks.append(chunk)
-        self.rows += chunk[0]
-        self.nbytes += chunk[1]
-        self.last_sqn = chunk[2]
-
-    def _seal_rows(self) -> None:
-        rows = self._rows
-        if not rows[0]:
-            return
-        batch = pa.RecordBatch.from_arrays(
-            [pa.array(col, f.type) for col, f in zip(rows, BLOCK_SCHEMA, strict=True)],
-            schema=BLOCK_SCHEMA,
-        )
-        self._chunks.append((batch.num_rows, batch.nbytes, batch))
-        self._rows = ([], [], [], [], [], [], [])
-
-    def drop_below(self, sqn: int) -> None:
-        """Forget the records with a sequence number below ``sqn`` (they are sorted)."""
-        if self.last_sqn is None or not self.rows:
-            return
-        self._seal_rows()
-        kept: list[tuple[Any, ...]] = []
-        for chunk in self._chunks:
-            if len(chunk) == 3:
-                batch = chunk[2].filter(pc.greater_equal(chunk[2].column(1), sqn))
-                if batch.num_rows:
-                    kept.append((batch.num_rows, batch.nbytes, batch))
-            elif chunk[2] >= sqn:
-                kept.append(chunk)
-        self._chunks = kept
-        self.rows = sum(c[0] for c in kept)
-        self.nbytes = sum(c[1] for c in kept)
-
-    def to_table(self) -> pa.Table:
-        """The records as an Arrow table of :data:`BLOCK_SCHEMA`, one record batch per chunk.
-
-        The chunks are wrapped, not concatenated: this runs on the task thread at every
-        persist, and concatenating cost about 200 ns per record there.
-        """
-        self._seal_rows()
-        batches: list[pa.RecordBatch] = []
-        repeats: dict[tuple[pa.DataType, Any], pa.Array] = {}
-
-        def repeat(value: Any, type_: pa.DataType, n: int) -> pa.Array:
-            # Chunks of one buffer share few sqns, states and ops: slicing one long
-            # array costs no allocation per chunk (a fresh one cost ~10 ns per record).
-            array = repeats.get((type_, value))
-            if array is None or len(array) < n:
-                array = repeats[(type_, value)] = pa.repeat(pa.scalar(value, type_), n)
-            return array.slice(0, n)
-
-        for chunk in self._chunks:
-            if len(chunk) == 3:
-                batches.append(chunk[2])
-                continue
-            if len(chunk) == 5:
-                chunk = _wrap_records(*chunk)
-            n, _, sqn, state, op, kgs, keys, uks, vals = chunk
-            columns = [
-                kgs,
-                repeat(sqn, pa.int64(), n),
-                repeat(state, pa.string(), n),
-                op if isinstance(op, pa.Array) else repeat(op, pa.int8(), n),
-                keys,
-                repeat(None, pa.binary(), n) if uks is None else uks,
-                vals,
-            ]
-            batches.append(pa.RecordBatch.from_arrays(columns, schema=BLOCK_SCHEMA))
-        return pa.Table.from_batches(batches, schema=BLOCK_SCHEMA)
-
-
-def as_binary(values: Sequence[bytes | None] | pa.Array) -> pa.Array:
-    """``values`` as an Arrow binary array (Arrow arrays pass through, cast if needed)."""
-    if isinstance(values, pa.Array):
-        return values if values.type == pa.binary() else values.cast(pa.binary())
-    return pa.array(values, pa.binary())
-
-
-def _wrap_records(
-    rows: int, nbytes: int, sqn: int, state: str, taken: tuple[Any, ...]
-) -> tuple[Any, ...]:
-    """A record-buffer chunk as an Arrow-column chunk: the buffers are wrapped, not copied
-    (they are Arrow's layout already)."""
-    _, key_groups, ops, key_offsets, key_data, user_keys, values = taken
-    return (
-        rows,
-        nbytes,
-        sqn,
-        state,
-        pa.Array.from_buffers(pa.int8(), rows, [None, pa.py_buffer(ops)]),
-        pa.Array.from_buffers(pa.int32(), rows, [None, pa.py_buffer(key_groups)]),
-        _binary_column(rows, (0, None, key_offsets, key_data)),
-        None if user_keys is None else _binary_column(rows, user_keys),
-        _binary_column(rows, values),
-    )
-
-
-def _binary_column(rows: int, column: tuple[int, bytes | None, bytes, bytes]) -> pa.Array:
-    """A binary array over a :class:`RecordColumns` column (no copy)."""
-    nulls, validity, offsets, data = column
-    bitmap = None if validity is None else pa.py_buffer(validity)
-    buffers = [bitmap, pa.py_buffer(offsets), pa.py_buffer(data)]
-    return pa.Array.from_buffers(pa.binary(), rows, buffers, null_count=nulls)
-
-
-def as_int32(values: Sequence[int] | pa.Array) -> pa.Array:
-    """Key groups as an Arrow int32 array; an ``array('i')`` is wrapped without a copy."""
-    if isinstance(values, pa.Array):
-        return values if values.type == pa.int32() else values.cast(pa.int32())
-    if isinstance(values, array.array) and values.typecode == "i" and values.itemsize == 4:
-        return pa.Array.from_buffers(pa.int32(), len(values), [None, pa.py_buffer(values)])
-    return pa.array(values, pa.int32())
-
-
 @dataclass(slots=True)
 class _Upload:
     """A range of a writer's log handed to the scheduler. Task thread owns the fields."""
 
     sqn_start: int
     sqn_end: int
-    table: pa.Table | None
+    changes: ChangeBuffer | None  # sealed; None once uploaded
     future: Future[ChangelogHandle]
-    nbytes: int  # the size the buffer counted (asking the table costs ~4 ns per record)
 
 
 @dataclass(slots=True)
@@ -349,9 +146,12 @@ class _Request:
     writer_id: str
     sqn_start: int
     sqn_end: int
-    table: pa.Table
+    changes: ChangeBuffer
     future: Future[ChangelogHandle]
-    nbytes: int = field(default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.changes.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,24 +284,25 @@ class ChangelogWriter:
         boundary = self.next_sqn()
         if not len(self._buffer):
             return
-        table, nbytes = self._buffer.to_table(), self._buffer.nbytes
+        changes = self._buffer
+        changes.seal()
         self._buffer = ChangeBuffer()
-        upload = _Upload(self._buffer_start, boundary, table, Future(), nbytes)
+        upload = _Upload(self._buffer_start, boundary, changes, Future())
         self._buffer_start = boundary
         self._uploads.append(upload)
         self._storage._submit(self.writer_id, upload)
-        self._drop_durable_tables()
+        self._drop_durable_changes()
 
-    def _drop_durable_tables(self) -> None:
-        """Let go of the tables of uploads that succeeded: only a failed one is sent again.
+    def _drop_durable_changes(self) -> None:
+        """Let go of the changes of uploads that succeeded: only a failed one is sent again.
 
         Without this, a writer that uploads pre-emptively between checkpoints would keep
         every change it ever uploaded in memory until the next checkpoint.
         """
         for upload in self._uploads:
             done = upload.future.done()
-            if upload.table is not None and done and upload.future.exception() is None:
-                upload.table = None
+            if upload.changes is not None and done and upload.future.exception() is None:
+                upload.changes = None
 
     def persist(self, from_sqn: int, checkpoint_id: int) -> Future[tuple[ChangelogHandle, ...]]:
         """Make every change with ``sqn >= from_sqn`` durable, for ``checkpoint_id``.
@@ -524,13 +325,13 @@ class ChangelogWriter:
             if upload.sqn_end <= from_sqn:
                 continue
             if upload.future.done() and upload.future.exception() is not None:
-                if upload.table is None:  # pragma: no cover - tables are kept until success
+                if upload.changes is None:  # pragma: no cover - kept until success
                     raise StateBackendError("lost the changes of a failed upload")
                 upload.future = Future()
                 self._storage._submit(self.writer_id, upload)
             wanted.append(upload)
         self._storage._tracker.claim(self.writer_id, checkpoint_id, [u.sqn_start for u in wanted])
-        self._drop_durable_tables()
+        self._drop_durable_changes()
         log.debug(
             "persist writer=%s from=%d checkpoint=%d uploads=%d",
             self.writer_id,
@@ -642,6 +443,8 @@ class ChangelogStorage:
         self.segments_written = 0
         self.segments_deleted = 0
         self.upload_attempts = 0
+        self._encoder = shared_encoder()  # a helper process, off this process's GIL
+        self._encoder.start()
         self._attempts = ThreadPoolExecutor(
             max_workers=2 * self._policy.max_attempts, thread_name_prefix=f"dstl-attempt-{worker}"
         )
@@ -667,18 +470,11 @@ class ChangelogStorage:
         return self._tracker.tracked()
 
     def _submit(self, writer_id: str, upload: _Upload) -> None:
-        assert upload.table is not None
+        assert upload.changes is not None
         self._tracker.submitted(writer_id, upload.sqn_start, upload.sqn_end)
-        self.budget.acquire(upload.nbytes)  # backpressure: blocks the task thread, never fails
+        self.budget.acquire(upload.changes.nbytes)  # backpressure: blocks, never fails
         self._queue.put(
-            _Request(
-                writer_id,
-                upload.sqn_start,
-                upload.sqn_end,
-                upload.table,
-                upload.future,
-                upload.nbytes,
-            )
+            _Request(writer_id, upload.sqn_start, upload.sqn_end, upload.changes, upload.future)
         )
 
     def _delete_later(self, paths: list[str]) -> None:
@@ -761,8 +557,8 @@ class ChangelogStorage:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
         try:
-            data = encode_segment(
-                [Block(r.writer_id, r.sqn_start, r.sqn_end, r.table) for r in batch]
+            data = self._encoder.encode(
+                [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
             )
             write = HedgedWrite(
                 self._write_attempt,
@@ -799,7 +595,7 @@ class ChangelogStorage:
         for i, r in enumerate(batch):
             r.future.set_result(
                 ChangelogHandle(
-                    url, i, r.writer_id, r.sqn_start, r.sqn_end, r.table.num_rows, len(data)
+                    url, i, r.writer_id, r.sqn_start, r.sqn_end, r.changes.rows, len(data)
                 )
             )
         self._delete(deletable)

@@ -60,6 +60,8 @@ SCHEMA = pa.schema(
     ]
 )
 
+BLOCK_SCHEMA = pa.schema([f for f in SCHEMA if f.name != "writer"])
+"""A block's table: :data:`SCHEMA` without ``writer`` (the block names it once)."""
 
 _SINK_BUFFER_BYTES = 4 << 20
 # A column's dictionary grows to this size before Parquet falls back to plain encoding.

@@ -143,10 +143,10 @@ def test_uploaded_changes_are_not_kept_until_the_next_checkpoint(fileio: FileIO)
         for round_ in range(3):
             for i in range(5):
                 w.append(0, "s", 1, b"k", None, bytes([round_, i]) * 500)
-            assert w._uploads[-1].table is not None  # just submitted: not durable yet
+            assert w._uploads[-1].changes is not None  # just submitted: not durable yet
             st.drain_once(block=False)
         # each submit lets go of the uploads finished before it
-        assert [u.table is None for u in w._uploads] == [True, True, False]
+        assert [u.changes is None for u in w._uploads] == [True, True, False]
         w.append(0, "s", 1, b"k", None, b"tail")
         fut = w.persist(0, 1)
         st.drain_once(block=False)

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
-from dstl.changelog import BLOCK_SCHEMA, ChangelogOptions, ChangelogWriter
+from dstl.changelog import ChangelogOptions, ChangelogWriter
+from dstl.segment import BLOCK_SCHEMA
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from dstl._records import (
     KIND_STR,
     RecordColumns,
 )
-from dstl.changelog import _binary_column
+from dstl.buffer import _binary_column
 
 SERIALIZE = {
     KIND_BYTES: lambda v: v,

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dstl.changelog import BLOCK_SCHEMA
 from dstl.errors import CorruptionError
 from dstl.segment import (
+    BLOCK_SCHEMA,
     FORMAT_NAME,
     METADATA_KEY,
     SEGMENT_VERSION,

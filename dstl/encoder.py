@@ -1,0 +1,394 @@
+"""Segment encoding in a helper process, off the GIL of the process that runs the tasks.
+
+Why a process: encoding a segment (:func:`dstl.segment.encode_segment`) on the upload
+thread makes ~15 pyarrow calls that release and retake the GIL. While a task thread is
+busy running Python, each retake is a forced hand-off that costs the task thread
+150-300 us on this VM, and wrapping the change buffers as Arrow tables held the GIL for
+~0.5 ms per upload; so every pre-emptive upload slowed the per-record state path (issue
+4). Here the upload thread hands the change buffers' chunks (plain bytes and Arrow
+buffers, described in a little JSON) to a helper process and gets the segment back in one
+call that releases the GIL once (:func:`dstl._durable.exchange`); the helper wraps and
+encodes them with its own GIL. The bytes are the same as :func:`encode_segment` writes
+in-process (tests check that).
+
+Nothing is lost when the helper is not there: if it cannot be started, dies, hangs for
+``timeout_s`` or reports an error, the blocks are encoded in the calling thread instead
+(a data error then raises exactly as :func:`encode_segment` raises it), the failure is
+logged, and the next call starts a new helper.
+
+Wire format (private to this module, both ends are this file): a request is an 8-byte
+little-endian length, that many bytes of JSON describing the blocks (writer, sqn range,
+and each chunk of its change buffer, with its buffers as indices; Arrow arrays as type,
+length, null count, offset and buffers), then the buffers themselves, each starting at a
+multiple of 64 bytes. A reply
+is two little-endian int64 (status, length) and ``length`` bytes: the segment (status 0)
+or an error message (status 1).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from dstl._durable import exchange
+from dstl.buffer import ChangeBuffer
+from dstl.segment import BLOCK_SCHEMA, Block, encode_segment
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # Arrow's buffer alignment: the helper's arrays point into one payload buffer
+_PIPE_BYTES = 1 << 20  # fewer wake-ups per request than the default 64 KiB pipe
+_OK, _FAILED = 0, 1
+_PADS = [bytes(n) for n in range(_ALIGN)]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingBlock:
+    """One writer's changes for a segment, not yet encoded: a sealed change buffer."""
+
+    writer_id: str
+    sqn_start: int
+    sqn_end: int
+    changes: ChangeBuffer
+
+    def to_block(self) -> Block:
+        """The block :func:`~dstl.segment.encode_segment` takes (wraps, does not copy)."""
+        return Block(self.writer_id, self.sqn_start, self.sqn_end, self.changes.to_table())
+
+
+class SegmentEncoder:
+    """Encodes segments in a helper process; falls back to the calling thread.
+
+    Thread-safe: any thread may call :meth:`encode`; one request is in flight at a
+    time (``self._lock``, held across the round trip only). The helper is started by
+    :meth:`start` or by the first :meth:`encode`, and replaced after any failure.
+    ``started`` and ``fallbacks`` count helpers started and blocks encoded in-process.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.started = 0
+        self.fallbacks = 0
+
+    def start(self) -> None:
+        """Start the helper if none runs (it imports pyarrow while the caller goes on)."""
+        with self._lock:
+            self._ensure_started()
+
+    @property
+    def pid(self) -> int | None:
+        """The helper's process id, or None when none is running."""
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def encode(self, blocks: list[PendingBlock]) -> bytes:
+        """The segment of ``blocks``, as :func:`~dstl.segment.encode_segment` writes it."""
+        if not blocks:
+            raise ValueError("a segment needs at least one block")
+        parts, payload = _request(blocks)
+        reason = ""
+        with self._lock:
+            try:
+                proc = self._ensure_started()
+                assert proc.stdin is not None and proc.stdout is not None
+                status, reply = exchange(
+                    proc.stdin.fileno(),
+                    proc.stdout.fileno(),
+                    parts,
+                    payload + (1 << 16),  # the guess at the reply size: it is compressed
+                    self.timeout_s,
+                )
+            except (OSError, EOFError) as exc:  # TimeoutError is an OSError
+                reason = f"{type(exc).__name__}: {exc}"
+                self._stop(kill=True)
+            else:
+                if status == _OK:
+                    return reply
+                reason = reply.decode("utf-8", "replace")
+            self.fallbacks += 1
+        log.warning("segment encoder process failed (%s); encoding in this process", reason)
+        return encode_segment([b.to_block() for b in blocks])
+
+    def close(self) -> None:
+        """Stop the helper: it exits when its input closes (killed after 5 s)."""
+        with self._lock:
+            self._stop(kill=False)
+
+    def _ensure_started(self) -> subprocess.Popen[bytes]:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            return proc
+        if proc is not None:
+            self._stop(kill=True)
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(
+            _helper_argv(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
+            os.set_blocking(fd, False)  # exchange() polls, so a hung helper times out
+            with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        self._proc = proc
+        self.started += 1
+        return proc
+
+    def _stop(self, kill: bool) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
+        assert proc.stdin is not None and proc.stdout is not None
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):  # a broken pipe: the helper is gone already
+                stream.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's helper without touching it."""
+        self._lock = threading.Lock()
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.stdin is not None and proc.stdout is not None:
+            for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _helper_argv() -> list[str]:
+    """The helper's command line (tests put a broken helper here)."""
+    return [sys.executable, "-c", "from dstl.encoder import main; main()"]
+
+
+_shared: SegmentEncoder | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_encoder() -> SegmentEncoder:
+    """The process's encoder, shared by every changelog storage (one helper per process).
+
+    Closed at interpreter exit; a forked child gets a fresh one on first use.
+    """
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = SegmentEncoder()
+        return _shared
+
+
+def _close_shared() -> None:
+    if _shared is not None:
+        _shared.close()
+
+
+def _forget_shared() -> None:
+    global _shared, _shared_lock
+    _shared_lock = threading.Lock()
+    if _shared is not None:
+        _shared._forget()
+    _shared = None
+
+
+atexit.register(_close_shared)
+os.register_at_fork(after_in_child=_forget_shared)
+
+
+# -- the wire format -----------------------------------------------------------------------
+
+
+class _Payload:
+    """The buffers of a request, each starting 64-byte aligned in the payload.
+
+    Hot (~300 buffers per 5 MB upload, run while the upload thread holds the GIL): no
+    de-duplication, no per-buffer allocation but the list entries.
+    """
+
+    __slots__ = ("parts", "size", "sizes")
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.sizes: list[int] = []
+        self.size = 0
+
+    def ref(self, buf: Any) -> int:
+        """The index of ``buf`` (bytes or an Arrow buffer), -1 for None."""
+        if buf is None:
+            return -1
+        if type(buf) is bytes:
+            n = len(buf)
+        else:
+            n = buf.size if isinstance(buf, pa.Buffer) else memoryview(buf).nbytes
+        self.sizes.append(n)
+        self.parts.append(buf)
+        pad = -n % _ALIGN
+        if pad:
+            self.parts.append(_PADS[pad])
+        self.size += n + pad
+        return len(self.sizes) - 1
+
+    def array(self, array: pa.Array) -> list[Any]:
+        return [
+            str(array.type),
+            len(array),
+            array.null_count,
+            array.offset,
+            [self.ref(b) for b in array.buffers()],
+        ]
+
+    def column(self, column: tuple[Any, ...] | None) -> list[int] | None:
+        """A record-buffer binary column (nulls, validity, offsets, data)."""
+        if column is None:
+            return None
+        nulls, validity, offsets, data = column
+        return [nulls, self.ref(validity), self.ref(offsets), self.ref(data)]
+
+
+def _request(blocks: list[PendingBlock]) -> tuple[list[Any], int]:
+    """The request's parts (header, JSON, buffers and padding) and its payload size.
+
+    Describes the chunks of each block's :class:`~dstl.buffer.ChangeBuffer` as they
+    are (see ``ChangeBuffer.__init__``): the helper rebuilds the buffer and calls its
+    ``to_table``, so this process makes no pyarrow call for the record-buffer chunks.
+    """
+    payload = _Payload()
+    described: list[Any] = []
+    for block in blocks:
+        chunks: list[Any] = []
+        for chunk in block.changes.chunks:
+            if len(chunk) == 5:  # (rows, nbytes, sqn, state, RecordColumns.take())
+                rows, nbytes, sqn, state, taken = chunk
+                _, key_groups, ops, key_offsets, key_data, user_keys, values = taken
+                refs = [payload.ref(b) for b in (key_groups, ops, key_offsets, key_data)]
+                uks, vals = payload.column(user_keys), payload.column(values)
+                chunks.append([0, rows, nbytes, sqn, state, refs, uks, vals])
+            elif len(chunk) == 9:  # Arrow columns of one sqn and state
+                n, nbytes, sqn, state, op, kgs, keys, uks, vals = chunk
+                op_desc = op if isinstance(op, int) else payload.array(op)
+                arrays = [kgs, keys, uks, vals]
+                descs = [None if a is None else payload.array(a) for a in arrays]
+                chunks.append([1, n, nbytes, sqn, state, op_desc, *descs])
+            else:  # (rows, nbytes, RecordBatch) of single records
+                rows, nbytes, batch = chunk
+                chunks.append([2, rows, nbytes, [payload.array(a) for a in batch.columns]])
+        described.append((block.writer_id, block.sqn_start, block.sqn_end, chunks))
+    meta = json.dumps(
+        {"blocks": described, "sizes": payload.sizes, "payload": payload.size},
+        separators=(",", ":"),
+    ).encode()
+    return [len(meta).to_bytes(8, "little"), meta, *payload.parts], payload.size
+
+
+def _blocks(meta: dict[str, Any], payload: pa.Buffer) -> list[Block]:
+    """The blocks a request describes, their arrays pointing into ``payload`` (checked)."""
+    buffers: list[pa.Buffer] = []
+    offset = 0
+    for size in meta["sizes"]:
+        buffers.append(payload.slice(offset, size))
+        offset += size + -size % _ALIGN
+
+    def buf(ref: int) -> pa.Buffer | None:
+        return None if ref < 0 else buffers[ref]
+
+    def array(desc: list[Any]) -> pa.Array:
+        type_, length, null_count, offset, refs = desc
+        return pa.Array.from_buffers(
+            pa.type_for_alias(type_),
+            length,
+            [buf(r) for r in refs],
+            null_count=null_count,
+            offset=offset,
+        )
+
+    def column(desc: list[Any] | None) -> tuple[Any, ...] | None:
+        return None if desc is None else (desc[0], buf(desc[1]), buf(desc[2]), buf(desc[3]))
+
+    blocks: list[Block] = []
+    for writer, sqn_start, sqn_end, described in meta["blocks"]:
+        chunks: list[tuple[Any, ...]] = []
+        for desc in described:
+            if desc[0] == 0:
+                _, rows, nbytes, sqn, state, refs, uks, vals = desc
+                taken = (rows, *map(buf, refs), column(uks), column(vals))
+                chunks.append((rows, nbytes, sqn, state, taken))
+            elif desc[0] == 1:
+                _, n, nbytes, sqn, state, op, *arrays = desc
+                op = op if isinstance(op, int) else array(op)
+                kgs, keys, uks, vals = (None if a is None else array(a) for a in arrays)
+                chunks.append((n, nbytes, sqn, state, op, kgs, keys, uks, vals))
+            else:
+                _, rows, nbytes, arrays = desc
+                batch = pa.RecordBatch.from_arrays(list(map(array, arrays)), schema=BLOCK_SCHEMA)
+                chunks.append((rows, nbytes, batch))
+        table = ChangeBuffer.from_chunks(chunks).to_table()
+        table.validate(full=True)
+        blocks.append(Block(writer, sqn_start, sqn_end, table))
+    return blocks
+
+
+def _read_exact(fd: int, view: memoryview) -> bool:
+    """Fill ``view`` from ``fd``; False on end of input before the first byte."""
+    done = 0
+    while done < len(view):
+        n = os.readv(fd, [view[done:]])
+        if n == 0:
+            if done == 0:
+                return False
+            raise EOFError("request cut short")
+        done += n
+    return True
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def main() -> None:
+    """The helper's loop: read a request, encode it, answer; exit at end of input."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
+    rfd, wfd = os.dup(0), os.dup(1)
+    os.dup2(2, 1)  # a stray print must not corrupt the replies
+    head = bytearray(8)
+    while _read_exact(rfd, memoryview(head)):
+        meta_bytes = bytearray(int.from_bytes(head, "little"))
+        _read_exact(rfd, memoryview(meta_bytes))
+        meta = json.loads(meta_bytes)
+        payload = pa.allocate_buffer(int(meta["payload"]))  # 64-byte aligned
+        if payload.size:
+            _read_exact(rfd, memoryview(payload).cast("B"))
+        try:
+            data, status = encode_segment(_blocks(meta, payload)), _OK
+        except Exception as exc:  # reported; the parent encodes again and raises it
+            data, status = f"{type(exc).__name__}: {exc}".encode(), _FAILED
+        _write_all(wfd, status.to_bytes(8, "little") + len(data).to_bytes(8, "little"))
+        _write_all(wfd, data)
+
+
+if __name__ == "__main__":
+    main()
