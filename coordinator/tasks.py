@@ -266,6 +266,8 @@ class OperatorTask:
                 self.full.close()
             self.final_entries = self.inner.entry_count()
             self.inner.close()
+            if isinstance(self.backend, ChangelogKeyedStateBackend):
+                self.backend.writer.close()  # frees its change buffers now, not at a GC
 
     def _replay_in_flight(self) -> None:
         """Process the restored in-flight records of this subtask's key groups first."""

@@ -368,8 +368,17 @@ class ChangelogWriter:
         self._storage._delete_later(self._storage._tracker.reset(self.writer_id, checkpoint_id))
 
     def close(self) -> None:
-        """Stop accepting changes. Futures already returned still complete."""
+        """Stop accepting changes, and let go of the changes held for persists.
+
+        Futures already returned still complete (their uploads hold what they send). A
+        closed writer cannot persist, so its buffer and the copies kept for re-sending
+        failed uploads are dropped: up to two buffers (10 MiB by default) that would
+        otherwise stay until the owner, often part of a reference cycle, is collected.
+        """
         self._closed = True
+        self._buffer = ChangeBuffer()
+        for upload in self._uploads:
+            upload.changes = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,7 +9,7 @@ import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.changelog import ChangelogOptions
-from dstl.errors import ConfigError, CorruptionError, StorageConflictError
+from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
 
 
@@ -153,6 +153,26 @@ def test_uploaded_changes_are_not_kept_until_the_next_checkpoint(fileio: FileIO)
         handles = fut.result(timeout=10)
         assert [h.rows for h in handles] == [5, 5, 5, 1]
         assert _rows(fileio, handles)[-1] == b"tail"
+
+
+def test_closing_a_writer_lets_go_of_its_changes_and_finishes_its_uploads(
+    fileio: FileIO,
+) -> None:
+    """A closed writer holds no change buffers (a task's teardown must free them, not a
+    later garbage collection), yet an upload it started still completes."""
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        for i in range(5):
+            w.append(0, "s", 1, b"k", None, bytes([i]) * 1000)  # the fifth submits
+        w.append(0, "s", 1, b"k", None, b"buffered")
+        fut = w._uploads[0].future
+        w.close()
+        assert len(w._buffer) == 0 and [u.changes for u in w._uploads] == [None]
+        with pytest.raises(StateBackendError, match="closed"):
+            w.persist(0, 1)
+        st.drain_once(block=False)
+        assert fut.result(timeout=10).rows == 5
 
 
 def test_options_from_dotted_keys() -> None:

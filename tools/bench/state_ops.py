@@ -2,7 +2,12 @@
 and RocksDB; changelog off and on, measured in the same run.
 
 Each case runs 5 times alternating off/on, and keeps the best time (the machine is
-shared; with 3 the worst case swung between 1.11 and 1.25 from one full run to the next). ``changelog_overhead_ratio`` is the worst per-record case's on/off time ratio;
+shared; with 3 the worst case swung between 1.11 and 1.25 from one full run to the next).
+Every run starts on a collected heap with the writers of earlier runs closed, as a
+long-running task would see it: garbage from earlier runs (each run's backend is a
+reference cycle) used to pin their change buffers, so a logged run took ~1900 page faults
+of fresh memory that the unlogged run did not. ``changelog_overhead_ratio`` is the worst
+per-record case's on/off time ratio;
 ``batch_updates_per_s_heap`` is the heap store's value-state batch rate with the changelog
 on (``..._no_changelog`` without). The changelog's upload thread runs as in production
 (pre-emptive persists happen during the run); checkpoint time is not included.
@@ -17,6 +22,7 @@ heap per-record workloads (value, list, map), divided by the records they hold.
 from __future__ import annotations
 
 import functools
+import gc
 import random
 import shutil
 import tempfile
@@ -116,17 +122,16 @@ def _measure(
     counter: list[int],
 ) -> float:
     store = _store(kind, tmp)
+    writer = storage.create_writer(f"bench-{counter[0] + 1}") if logged else None
+    counter[0] += logged
     try:
-        if logged:
-            counter[0] += 1
-            backend: Any = ChangelogKeyedStateBackend(
-                store, storage.create_writer(f"bench-{counter[0]}")
-            )
-        else:
-            backend = store
+        backend = store if writer is None else ChangelogKeyedStateBackend(store, writer)
+        gc.collect()  # the runs before left cycles (state <-> backend): not this run's cost
         return run(backend)
     finally:
         store.close()
+        if writer is not None:
+            writer.close()  # as a task does: its buffers are freed now, not at a collection
 
 
 def _off_and_on(
