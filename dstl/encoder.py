@@ -130,11 +130,11 @@ class SegmentEncoder:
             self._stop(kill=False)
 
     def _ensure_started(self) -> subprocess.Popen[bytes]:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            return proc
-        if proc is not None:
-            self._stop(kill=True)
+        # No poll() for a dead helper here: it is a syscall, so on the upload thread one
+        # more GIL hand-off per request. A dead helper fails the exchange (broken pipe,
+        # end of input), which replaces it.
+        if self._proc is not None:
+            return self._proc
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
