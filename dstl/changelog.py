@@ -11,6 +11,7 @@ batches the persist requests of all its writers into one segment file per upload
 completes their futures, and a small named pool (``dstl-attempt-<worker>``) running upload
 attempts (retried and hedged, see :mod:`dstl.retry`). Results reach the task thread through
 those futures; no lock is held across I/O. Both are joined in :meth:`ChangelogStorage.close`.
+The upload thread has segments encoded by the process's helper (:mod:`dstl.encoder`).
 
 Backpressure: bytes handed to uploads are bounded by ``in_flight_max_bytes``; a writer's
 pre-emptive upload (in ``append``) or ``persist`` blocks until they fit, and never fails
