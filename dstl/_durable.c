@@ -218,19 +218,27 @@ wait_fd(int fd, short events, double deadline)
     }
 }
 
+/* After a read or write failed: go on (interrupted, or ready after waiting for
+ * ``events``), or the reason to stop. */
+static enum Fail
+after_error(int fd, short events, double deadline)
+{
+    if (errno == EINTR) {
+        return FAIL_NONE;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        return FAIL_ERRNO;
+    }
+    return wait_fd(fd, events, deadline);
+}
+
 static enum Fail
 send_iov(int fd, struct iovec *iov, int count, double deadline)
 {
     while (count > 0) {
         ssize_t n = writev(fd, iov, count > IOV_MAX ? IOV_MAX : count);
         if (n < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                return FAIL_ERRNO;
-            }
-            enum Fail f = wait_fd(fd, POLLOUT, deadline);
+            enum Fail f = after_error(fd, POLLOUT, deadline);
             if (f != FAIL_NONE) {
                 return f;
             }
@@ -262,13 +270,7 @@ recv_exact(int fd, char *p, int64_t len, double deadline)
         if (n == 0) {
             return FAIL_EOF;
         }
-        if (errno == EINTR) {
-            continue;
-        }
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            return FAIL_ERRNO;
-        }
-        enum Fail f = wait_fd(fd, POLLIN, deadline);
+        enum Fail f = after_error(fd, POLLIN, deadline);
         if (f != FAIL_NONE) {
             return f;
         }
