@@ -26,6 +26,7 @@ from backends.heap import StateSnapshot, Table
 from backends.serializers import Serializer, serializer_for
 from backends.state import MAP_LIKE, StateKind, StateMeta
 from dstl.errors import CorruptionError
+from dstl.segment import DICTIONARY_PAGE_BYTES
 
 META_KEY = b"state.meta"
 KEY_SERIALIZER_KEY = b"state.key"
@@ -101,7 +102,13 @@ def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Tab
 def table_to_parquet(table: pa.Table) -> bytes:
     """Parquet bytes (zstd, page checksums) of a state table."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", write_page_checksum=True)
+    pq.write_table(
+        table,
+        sink,
+        compression="zstd",
+        write_page_checksum=True,
+        dictionary_pagesize_limit=DICTIONARY_PAGE_BYTES,
+    )
     return sink.getvalue()
 
 

@@ -1,0 +1,33 @@
+"""Heap state tables as Parquet: typed columns, and dictionaries that stay small."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pyarrow.parquet as pq
+
+from backends import HeapKeyedStateBackend, KeyGroupRange, ValueStateDescriptor
+from backends.serializers import INT64, STR
+from backends.tables import parquet_to_table, snapshot_tables, table_to_parquet
+
+
+def test_a_column_of_unique_values_falls_back_to_plain_early() -> None:
+    """50K distinct int64 values would make a 400 KB dictionary under Arrow's 1 MiB
+    limit; ours stops near 128 KiB (less CPU, fewer bytes), and the table reads back."""
+    backend = HeapKeyedStateBackend(STR, KeyGroupRange(0, 128), 128)
+    state = backend.get_state(ValueStateDescriptor("v", INT64))
+    rnd = random.Random(3)
+    for i in range(50_000):
+        backend.set_current_key(f"k{i}")
+        state.update(rnd.randrange(1 << 62))
+    [(_, table)] = list(snapshot_tables(backend.snapshot()))
+    data = table_to_parquet(table)
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+    value = next(
+        meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "value"
+    )
+    assert value.has_dictionary_page
+    assert value.data_page_offset - value.dictionary_page_offset < 200_000
+    assert parquet_to_table(data, "mem").equals(table)
+    backend.close()
