@@ -13,16 +13,16 @@ in-process (tests check that).
 
 Nothing is lost when the helper is not there: if it cannot be started, dies, hangs for
 ``timeout_s`` or reports an error, the blocks are encoded in the calling thread instead
-(a data error then raises exactly as :func:`encode_segment` raises it), the failure is
-logged, and the next call starts a new helper.
+(a data error then raises exactly as :func:`encode_segment` raises it) and the failure is
+logged. A helper that did not answer is killed, and the next call starts a new one; one
+that reported an error answered properly and is kept.
 
 Wire format (private to this module, both ends are this file): a request is an 8-byte
 little-endian length, that many bytes of JSON describing the blocks (writer, sqn range,
 and each chunk of its change buffer, with its buffers as indices; Arrow arrays as type,
 length, null count, offset and buffers), then the buffers themselves, each starting at a
-multiple of 64 bytes. A reply
-is two little-endian int64 (status, length) and ``length`` bytes: the segment (status 0)
-or an error message (status 1).
+multiple of 64 bytes. A reply is two little-endian int64 (status, length) and ``length``
+bytes: the segment (status 0) or an error message (status 1).
 """
 
 from __future__ import annotations
