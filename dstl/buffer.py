@@ -120,19 +120,17 @@ class ChangeBuffer:
         only, and complete only once :meth:`seal` was called."""
         return self._chunks
 
-    def seal(self) -> None:
-        """Turn the single records appended last into a chunk: called when the buffer is
-        handed to an upload, after which it does not change."""
-        self._seal_rows()
-
     def _add_chunk(self, chunk: tuple[Any, ...]) -> None:
-        self._seal_rows()
+        self.seal()
         self._chunks.append(chunk)
         self.rows += chunk[0]
         self.nbytes += chunk[1]
         self.last_sqn = chunk[2]
 
-    def _seal_rows(self) -> None:
+    def seal(self) -> None:
+        """Turn the single records appended last into a chunk. Called before new columns
+        arrive, before reading the chunks, and when the buffer is handed to an upload,
+        after which it does not change."""
         rows = self._rows
         if not rows[0]:
             return
@@ -147,7 +145,7 @@ class ChangeBuffer:
         """Forget the records with a sequence number below ``sqn`` (they are sorted)."""
         if self.last_sqn is None or not self.rows:
             return
-        self._seal_rows()
+        self.seal()
         kept: list[tuple[Any, ...]] = []
         for chunk in self._chunks:
             if len(chunk) == 3:
@@ -166,7 +164,7 @@ class ChangeBuffer:
         The chunks are wrapped, not concatenated: this runs on the task thread at every
         persist, and concatenating cost about 200 ns per record there.
         """
-        self._seal_rows()
+        self.seal()
         batches: list[pa.RecordBatch] = []
         repeats: dict[tuple[pa.DataType, Any], pa.Array] = {}
 

@@ -140,8 +140,10 @@ def _measure(
     counter: list[int],
 ) -> float:
     store = _store(kind, tmp)
-    writer = storage.create_writer(f"bench-{counter[0] + 1}") if logged else None
-    counter[0] += logged
+    writer = None
+    if logged:
+        counter[0] += 1
+        writer = storage.create_writer(f"bench-{counter[0]}")
     try:
         backend = store if writer is None else ChangelogKeyedStateBackend(store, writer)
         gc.collect()  # the runs before left cycles (state <-> backend): not this run's cost
