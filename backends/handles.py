@@ -7,6 +7,8 @@ from typing import ClassVar
 
 from backends.keygroups import KeyGroupRange
 from dstl.handles import ChangelogHandle, register_handle
+from dstl.integrity import FileRef
+from dstl.layout import check_location
 
 
 @register_handle("state-file")
@@ -15,7 +17,9 @@ class StateFileHandle:
     """One durable file of materialized state (a Parquet table part or an SST file).
 
     ``state`` is the state it holds (``None`` for files that hold many, like SSTs);
-    ``file_id`` is its identity for sharing (content checksum, or name + size + checksum).
+    ``file_id`` is its identity for sharing: ``sha256:<hex>``, the content hash of
+    :mod:`dstl.integrity`, which every read checks (older records: a BLAKE2b hex digest or
+    ``sst:<size>:<hex>``, which only the size is checked against).
     ``name`` is the snapshot's file name (:attr:`SnapshotFile.name`); a ``rocksdb-sst``
     restore needs it to rebuild the database directory. Empty means "the last path
     component of ``location``" (true when the file is stored under its own name).
@@ -33,12 +37,32 @@ class StateFileHandle:
     TYPE_TAG: ClassVar[str]
 
     def __post_init__(self) -> None:
-        if not self.location or self.size_bytes < 0 or not self.file_id:
+        check_location(self.location)
+        if self.size_bytes < 0 or not self.file_id:
             raise ValueError(f"invalid state file handle {self!r}")
+
+    @property
+    def content_hash(self) -> str:
+        """The file's content hash ("" for records older than content hashes)."""
+        return (
+            self.file_id[len(FILE_ID_PREFIX) :] if self.file_id.startswith(FILE_ID_PREFIX) else ""
+        )
 
     def files(self) -> list[str]:
         """The one file."""
         return [self.location]
+
+    def file_refs(self) -> list[FileRef]:
+        """The one file, with its recorded size and content hash."""
+        return [FileRef(self.location, self.size_bytes, self.content_hash)]
+
+
+FILE_ID_PREFIX = "sha256:"
+
+
+def file_id_of(content_hash: str) -> str:
+    """The sharing identity of a state file whose content hash is ``content_hash``."""
+    return FILE_ID_PREFIX + content_hash
 
 
 @register_handle("materialization")
@@ -75,6 +99,10 @@ class MaterializationHandle:
     def files(self) -> list[str]:
         """Every file this materialization needs."""
         return [f.location for f in self.state_files]
+
+    def file_refs(self) -> list[FileRef]:
+        """Every file this materialization needs, with sizes and content hashes."""
+        return [r for f in self.state_files for r in f.file_refs()]
 
 
 @register_handle("keyed-state")
@@ -115,10 +143,15 @@ class KeyedStateHandle:
 
     def files(self) -> list[str]:
         """Every durable file the state needs (deduplicated, in order)."""
-        seen: dict[str, None] = {}
+        return [r.location for r in self.file_refs()]
+
+    def file_refs(self) -> list[FileRef]:
+        """Every durable file the state needs, with sizes and hashes (deduplicated)."""
+        seen: dict[str, FileRef] = {}
         for m in self.materialized:
-            for f in m.files():
-                seen.setdefault(f)
+            for r in m.file_refs():
+                seen.setdefault(r.location, r)
         for c in self.changelog:
-            seen.setdefault(c.location)
-        return list(seen)
+            for r in c.file_refs():
+                seen.setdefault(r.location, r)
+        return list(seen.values())

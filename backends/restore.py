@@ -30,6 +30,7 @@ from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
+from dstl.integrity import read_verified
 
 Decoded = list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]]
 
@@ -54,8 +55,9 @@ def _decode_heap_parquet(
 ) -> Decoded:
     decoded: Decoded = []
     for f in handle.state_files:
-        table = parquet_to_table(fileio.read(fileio.relative(f.location)), f.location)
-        meta, key_ser = table_meta(table, f.location)
+        url = fileio.url(fileio.relative(f.location))
+        table = parquet_to_table(read_verified(fileio, f.file_refs()[0]), url)
+        meta, key_ser = table_meta(table, url)
         _check_key_serializer(backend, key_ser.name, f"state {meta.name!r}")
         decoded.append((meta, table_entries(meta, key_ser, table)))
     return decoded
@@ -88,7 +90,7 @@ def _decode_rocksdb_sst(
         os.makedirs(db_dir)
         metadata: bytes | None = None
         for f in handle.state_files:
-            data = fileio.read(fileio.relative(f.location))
+            data = read_verified(fileio, f.file_refs()[0])
             name = _file_name(f.location, f.name)
             if name == META_FILE:
                 metadata = data

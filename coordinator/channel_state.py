@@ -26,6 +26,8 @@ from dstl import layout
 from dstl.errors import CorruptionError
 from dstl.fileio import FileIO
 from dstl.handles import register_handle
+from dstl.integrity import FileRef, content_hash, read_verified
+from dstl.layout import check_location
 
 _MAGIC = b"CSTATE1\n"
 
@@ -41,18 +43,24 @@ class ChannelStateHandle:
     subtask: int
     records: int
     size_bytes: int
+    content_hash: str = ""
 
     TYPE_TAG: ClassVar[str]
     #: A file of this handle is never referenced by any other checkpoint.
     PRIVATE_TO_CHECKPOINT: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not self.location or self.checkpoint_id < 1 or self.records < 0:
+        check_location(self.location)
+        if self.checkpoint_id < 1 or self.records < 0:
             raise ValueError(f"invalid channel state handle {self!r}")
 
     def files(self) -> list[str]:
         """The one file."""
         return [self.location]
+
+    def file_refs(self) -> list[FileRef]:
+        """The one file, with its size and content hash."""
+        return [FileRef(self.location, self.size_bytes, self.content_hash)]
 
 
 def write_channel_state(
@@ -70,24 +78,25 @@ def write_channel_state(
     fileio.write_new(path, data)
     records = sum(len(b) if isinstance(b, list | tuple) else 1 for b in batches)
     return ChannelStateHandle(
-        fileio.url(path), checkpoint_id, operator, subtask, records, len(data)
+        path, checkpoint_id, operator, subtask, records, len(data), content_hash(data)
     )
 
 
 def read_channel_state(fileio: FileIO, handle: ChannelStateHandle) -> list[Any]:
     """The batches of ``handle``; :class:`CorruptionError` on a bad file."""
-    data = fileio.read(fileio.relative(handle.location))
+    data = read_verified(fileio, handle.file_refs()[0])
+    url = fileio.url(fileio.relative(handle.location))
     head = len(_MAGIC)
     if len(data) < head + 4 or not data.startswith(_MAGIC):
-        raise CorruptionError("not a channel state file", handle.location)
+        raise CorruptionError("not a channel state file", url)
     (crc,) = struct.unpack(">I", data[head : head + 4])
     body = data[head + 4 :]
     if zlib.crc32(body) != crc:
-        raise CorruptionError("channel state checksum mismatch", handle.location)
+        raise CorruptionError("channel state checksum mismatch", url)
     try:
         batches = pickle.loads(body)
     except Exception as exc:  # pickle raises many types on bad bytes
-        raise CorruptionError(f"unreadable channel state: {exc}", handle.location) from exc
+        raise CorruptionError(f"unreadable channel state: {exc}", url) from exc
     if not isinstance(batches, list):
-        raise CorruptionError("channel state is not a list of batches", handle.location)
+        raise CorruptionError("channel state is not a list of batches", url)
     return batches

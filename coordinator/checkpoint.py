@@ -412,11 +412,7 @@ class CheckpointCoordinator:
             latest = self.store.latest(self.job_id)
             self._previous_files = set(latest.files()) if latest is not None else set()
         previous = self._previous_files
-        sizes: dict[str, int] = {}
-        for s in completed.subtasks:
-            for h in s.handles:
-                for f, size in _file_sizes(h):
-                    sizes[f] = size
+        sizes = {r.location: r.size_bytes for r in completed.file_refs()}
         new = {f: n for f, n in sizes.items() if f not in previous}
         return {
             "duration_ms": round((now - cp.triggered_at) * 1e3, 3),
@@ -482,19 +478,6 @@ class CheckpointCoordinator:
                 self._fileio.delete(self._fileio.relative(url))
             except (StorageError, ConfigError) as exc:
                 log.warning("release delete failed file=%s error=%s", url, exc)
-
-
-def _file_sizes(handle: Any) -> list[tuple[str, int]]:
-    """(file, size) pairs of a handle and the handles nested in it."""
-    out: list[tuple[str, int]] = []
-    size = getattr(handle, "size_bytes", None)
-    location = getattr(handle, "location", None)
-    if isinstance(location, str) and isinstance(size, int):
-        out.append((location, size))
-    for name in ("materialized", "changelog", "state_files"):
-        for nested in getattr(handle, name, ()) or ():
-            out.extend(_file_sizes(nested))
-    return out
 
 
 def run_in_thread(target: Callable[[], None], name: str) -> threading.Thread:

@@ -98,7 +98,7 @@ def sweep(fileio: FileIO, store: MetadataStore, plan: SweepPlan) -> list[str]:
     for info in plan.orphans:
         if info.path not in still:
             continue  # referenced since the plan was made
-        if fileio.delete(fileio.relative(info.path)):
+        if fileio.delete(info.path):
             deleted.append(info.path)
     log.info("orphan sweep job=%s deleted=%d", plan.job_id, len(deleted))
     return deleted

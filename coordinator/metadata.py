@@ -38,8 +38,10 @@ from dstl.errors import (
     StateBackendError,
 )
 from dstl.handles import handle_from_json, handle_to_json
+from dstl.integrity import FileRef
+from dstl.layout import relative_of_url
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _md = sa.MetaData()
 
@@ -119,7 +121,66 @@ def _migrate_to_2(conn: Connection) -> None:
     ix_checkpoints_kind.create(conn, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_to_1, 2: _migrate_to_2}
+def _relativized(value: Any) -> Any:
+    """``value`` (decoded handle JSON) with absolute ``location`` URLs made store-relative."""
+    if isinstance(value, list):
+        return [_relativized(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _relativized(v) for k, v in value.items()}
+    location = out.get("location")
+    if isinstance(location, str) and "://" in location:
+        out["location"] = relative_of_url(location) or location
+    return out
+
+
+def _migrate_to_3(conn: Connection) -> None:
+    """v3: file locations relative to the store root, so a store can be copied or moved.
+
+    Rewrites every handle's absolute URL in ``subtask_states`` and ``file_refs`` to its
+    store-relative tail (:func:`dstl.layout.relative_of_url`); a URL without the shape of
+    a store file is kept (:meth:`dstl.fileio.FileIO.relative` still reads it in place).
+    """
+    rows = conn.execute(
+        sa.select(
+            subtask_states.c.job_id,
+            subtask_states.c.checkpoint_id,
+            subtask_states.c.operator,
+            subtask_states.c.subtask,
+            subtask_states.c.state,
+        )
+    ).all()
+    for job_id, checkpoint_id, operator, subtask, text in rows:
+        if "://" not in text:
+            continue
+        raw = json.loads(text)
+        raw["handles"] = _relativized(raw.get("handles", []))
+        conn.execute(
+            sa.update(subtask_states)
+            .where(
+                subtask_states.c.job_id == job_id,
+                subtask_states.c.checkpoint_id == checkpoint_id,
+                subtask_states.c.operator == operator,
+                subtask_states.c.subtask == subtask,
+            )
+            .values(state=json.dumps(raw, sort_keys=True))
+        )
+    urls = conn.execute(
+        sa.select(file_refs.c.location).where(file_refs.c.location.like("%://%")).distinct()
+    ).all()
+    for (url,) in urls:
+        moved = relative_of_url(url)
+        if moved is not None:
+            conn.execute(
+                sa.update(file_refs).where(file_refs.c.location == url).values(location=moved)
+            )
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _migrate_to_1,
+    2: _migrate_to_2,
+    3: _migrate_to_3,
+}
 
 
 def create_schema(conn: Connection, version: int) -> None:
@@ -147,11 +208,15 @@ class SubtaskState:
 
     def files(self) -> list[str]:
         """Every durable file the subtask's handles reference."""
-        out: dict[str, None] = {}
+        return [r.location for r in self.file_refs()]
+
+    def file_refs(self) -> list[FileRef]:
+        """Every durable file the subtask's handles reference, with size and hash."""
+        out: dict[str, FileRef] = {}
         for h in self.handles:
-            for f in h.files():
-                out.setdefault(f)
-        return list(out)
+            for r in h.file_refs():
+                out.setdefault(r.location, r)
+        return list(out.values())
 
     def to_json(self) -> str:
         """JSON text for the ``subtask_states`` row."""
@@ -202,11 +267,15 @@ class CompletedCheckpoint:
 
     def files(self) -> list[str]:
         """Every durable file the checkpoint references."""
-        out: dict[str, None] = {}
+        return [r.location for r in self.file_refs()]
+
+    def file_refs(self) -> list[FileRef]:
+        """Every durable file the checkpoint references, with size and content hash."""
+        out: dict[str, FileRef] = {}
         for s in self.subtasks:
-            for f in s.files():
-                out.setdefault(f)
-        return list(out)
+            for r in s.file_refs():
+                out.setdefault(r.location, r)
+        return list(out.values())
 
 
 @dataclass(frozen=True, slots=True)

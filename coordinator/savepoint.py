@@ -16,8 +16,9 @@ from typing import Any
 from coordinator.errors import SavepointError
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
 from dstl import layout
-from dstl.errors import ConfigError, StorageConflictError, StorageError
+from dstl.errors import ConfigError, CorruptionError, StorageConflictError, StorageError
 from dstl.fileio import FileIO
+from dstl.integrity import read_verified
 
 
 def rewrite_locations(value: Any, mapping: dict[str, str]) -> Any:
@@ -49,14 +50,14 @@ def make_self_contained(fileio: FileIO, checkpoint: CompletedCheckpoint) -> Comp
     prefix = layout.savepoint_prefix(checkpoint.job_id, checkpoint.checkpoint_id)
     mapping: dict[str, str] = {}
     try:
-        for url in checkpoint.files():
-            rel = fileio.relative(url)
-            target = f"{prefix}/{rel}"
+        for ref in checkpoint.file_refs():
+            target = f"{prefix}/{fileio.relative(ref.location)}"
+            data = read_verified(fileio, ref)  # a damaged file must not become a savepoint
             # StorageConflictError: a retried copy of the same source: same bytes
             with contextlib.suppress(StorageConflictError):
-                fileio.write_new(target, fileio.read(rel))
-            mapping[url] = fileio.url(target)
-    except (StorageError, ConfigError) as exc:
+                fileio.write_new(target, data)
+            mapping[ref.location] = target
+    except (StorageError, ConfigError, CorruptionError) as exc:
         # if even this fails, it is left for an operator: savepoints are never swept
         with contextlib.suppress(StorageError):
             fileio.delete_tree(prefix)

@@ -20,6 +20,8 @@ from dstl import layout
 from dstl.errors import StorageConflictError
 from dstl.fileio import FileIO
 from dstl.handles import register_handle
+from dstl.integrity import FileRef, content_hash, read_verified
+from dstl.layout import check_location
 
 
 @register_handle("sink-transaction")
@@ -32,16 +34,22 @@ class SinkTransactionHandle:
     subtask: int
     records: int
     size_bytes: int
+    content_hash: str = ""
 
     TYPE_TAG: ClassVar[str]
 
     def __post_init__(self) -> None:
-        if not self.location or self.checkpoint_id < 1 or self.records < 1:
+        check_location(self.location)
+        if self.checkpoint_id < 1 or self.records < 1:
             raise ValueError(f"invalid sink transaction {self!r}")
 
     def files(self) -> list[str]:
         """The staged file."""
         return [self.location]
+
+    def file_refs(self) -> list[FileRef]:
+        """The staged file, with its size and content hash."""
+        return [FileRef(self.location, self.size_bytes, self.content_hash)]
 
 
 def part_name(checkpoint_id: int, subtask: int) -> str:
@@ -83,11 +91,12 @@ class TransactionalFileSink:
             )
             self._state_io.write_new(path, data)
             self.staged[checkpoint_id] = SinkTransactionHandle(
-                self._state_io.url(path),
+                path,
                 checkpoint_id,
                 self._subtask,
                 len(self._current),
                 len(data),
+                content_hash(data),
             )
             self._current = []
         return tuple(self.staged[c] for c in sorted(self.staged))
@@ -100,7 +109,7 @@ class TransactionalFileSink:
 
 def commit(state_io: FileIO, output_io: FileIO, txn: SinkTransactionHandle) -> bool:
     """Publish one staged transaction; False if it was already committed (idempotent)."""
-    data = state_io.read(state_io.relative(txn.location))
+    data = read_verified(state_io, txn.file_refs()[0])
     try:
         output_io.write_new(part_name(txn.checkpoint_id, txn.subtask), data)
     except StorageConflictError:

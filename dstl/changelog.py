@@ -46,6 +46,7 @@ from dstl.encoder import PendingBlock, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
+from dstl.integrity import read_verified
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
 from dstl.segment import SegmentReader
 from dstl.tracking import SegmentTracker
@@ -546,7 +547,7 @@ class ChangelogStorage:
         self._delete(deletes)
         return not stop
 
-    def _write_attempt(self, path: str, data: bytes) -> None:
+    def _write_attempt(self, path: str, data: bytes | memoryview) -> None:
         with self._lock:
             self.upload_attempts += 1
         try:
@@ -567,9 +568,10 @@ class ChangelogStorage:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
         try:
-            data = self._encoder.encode(
+            segment = self._encoder.encode(
                 [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
             )
+            data = segment.data
             write = HedgedWrite(
                 self._write_attempt,
                 self.fileio.delete,
@@ -598,14 +600,20 @@ class ChangelogStorage:
             return
         with self._lock:
             self.segments_written += 1
-        url = self.fileio.url(path)
         log.debug("segment uploaded key=%s bytes=%d blocks=%d", path, len(data), len(batch))
         deletable = self._tracker.uploaded(path, blocks)
         self.budget.release(sum(r.nbytes for r in batch))
         for i, r in enumerate(batch):
             r.future.set_result(
                 ChangelogHandle(
-                    url, i, r.writer_id, r.sqn_start, r.sqn_end, r.changes.rows, len(data)
+                    path,
+                    i,
+                    r.writer_id,
+                    r.sqn_start,
+                    r.sqn_end,
+                    r.changes.rows,
+                    len(data),
+                    segment.content_hash,
                 )
             )
         self._delete(deletable)
@@ -656,8 +664,10 @@ def read_changes(
         reader = readers.get(handle.location)
         if reader is None:
             readers.clear()  # handles of one file are usually adjacent; keep memory flat
-            data = fileio.read(fileio.relative(handle.location))
-            reader = SegmentReader(data, handle.location)
+            ref = handle.file_refs()[0]
+            reader = SegmentReader(
+                read_verified(fileio, ref), fileio.url(fileio.relative(ref.location))
+            )
             readers[handle.location] = reader
         table = reader.read_block(handle.block, handle.writer_id).drop_columns(["writer"])
         mask = pc.greater_equal(table["sqn"], from_sqn)

@@ -22,7 +22,8 @@ little-endian length, that many bytes of JSON describing the blocks (writer, sqn
 and each chunk of its change buffer, with its buffers as indices; Arrow arrays as type,
 length, null count, offset and buffers), then the buffers themselves, each starting at a
 multiple of 64 bytes. A reply is two little-endian int64 (status, length) and ``length``
-bytes: the segment (status 0) or an error message (status 1).
+bytes: the segment followed by its 32-byte SHA-256 digest (status 0), or an error message
+(status 1).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +47,7 @@ import pyarrow as pa
 
 from dstl._durable import exchange
 from dstl.buffer import ChangeBuffer
+from dstl.integrity import content_hash
 from dstl.segment import BLOCK_SCHEMA, Block, encode_segment
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,16 @@ log = logging.getLogger(__name__)
 _ALIGN = 64  # Arrow's buffer alignment: the helper's arrays point into one payload buffer
 _PIPE_BYTES = 1 << 20  # fewer wake-ups per request than the default 64 KiB pipe
 _OK, _FAILED = 0, 1
+_HASH_BYTES = 32  # a successful reply ends with the segment's SHA-256 (dstl.integrity)
 _PADS = [bytes(n) for n in range(_ALIGN)]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedSegment:
+    """A segment's bytes (a view of the helper's reply: not copied) and content hash."""
+
+    data: bytes | memoryview
+    content_hash: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +108,10 @@ class SegmentEncoder:
         proc = self._proc
         return proc.pid if proc is not None else None
 
-    def encode(self, blocks: list[PendingBlock]) -> bytes:
-        """The segment of ``blocks``, as :func:`~dstl.segment.encode_segment` writes it."""
+    def encode(self, blocks: list[PendingBlock]) -> EncodedSegment:
+        """The segment of ``blocks``, as :func:`~dstl.segment.encode_segment` writes it,
+        with its content hash (computed in the helper: no hashing on this process's GIL).
+        """
         if not blocks:
             raise ValueError("a segment needs at least one block")
         parts, payload = _request(blocks)
@@ -117,12 +131,14 @@ class SegmentEncoder:
                 reason = f"{type(exc).__name__}: {exc}"
                 self._stop(kill=True)
             else:
-                if status == _OK:
-                    return reply
+                if status == _OK and len(reply) > _HASH_BYTES:
+                    view = memoryview(reply)
+                    return EncodedSegment(view[:-_HASH_BYTES], view[-_HASH_BYTES:].hex())
                 reason = reply.decode("utf-8", "replace")
             self.fallbacks += 1
         log.warning("segment encoder process failed (%s); encoding in this process", reason)
-        return encode_segment([b.to_block() for b in blocks])
+        data = encode_segment([b.to_block() for b in blocks])
+        return EncodedSegment(data, content_hash(data))
 
     def close(self) -> None:
         """Stop the helper: it exits when its input closes (killed after 5 s)."""
@@ -383,7 +399,8 @@ def main() -> None:
         if payload.size:
             _read_exact(rfd, memoryview(payload).cast("B"))
         try:
-            data, status = encode_segment(_blocks(meta, payload)), _OK
+            segment = encode_segment(_blocks(meta, payload))
+            data, status = segment + hashlib.sha256(segment).digest(), _OK
         except Exception as exc:  # reported; the parent encodes again and raises it
             data, status = f"{type(exc).__name__}: {exc}".encode(), _FAILED
         _write_all(wfd, status.to_bytes(8, "little") + len(data).to_bytes(8, "little"))

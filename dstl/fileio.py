@@ -33,6 +33,7 @@ from dstl.errors import (
     StorageNotFoundError,
     TransientStorageError,
 )
+from dstl.layout import relative_of_url
 
 # Temporary names: unique per process (a crashed one's leftovers never collide) without a
 # system call per write.
@@ -43,7 +44,8 @@ _TRANSIENT_NAMES = ("Timeout", "Throttl", "SlowDown", "ServiceUnavailable", "Int
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:
-    """One listed file: its full URL, its size and its modification time (epoch seconds)."""
+    """One listed file: its path relative to the store root (what handles record), its
+    size and its modification time (epoch seconds)."""
 
     path: str
     size: int
@@ -84,8 +86,9 @@ def _translated(location: str) -> Iterator[None]:
 class FileIO:
     """Access to one durable store rooted at ``root`` (``file://``, ``s3://``, ``memory://``).
 
-    Paths given to methods are *relative* to the root (``a/b.parquet``); :meth:`url` gives
-    the absolute URL that handles record. Thread-safe: fsspec filesystems may be shared
+    Paths given to methods are *relative* to the root (``a/b.parquet``), which is also
+    what handles record (so a store can move); :meth:`url` gives the absolute URL, for
+    people. Thread-safe: fsspec filesystems may be shared
     across threads; this class holds no mutable state. Picklable (Spark executors can use
     it): it pickles its root and options and reconnects lazily.
 
@@ -150,35 +153,50 @@ class FileIO:
         return posixpath.join(self._root, path) if path else self._root
 
     def url(self, path: str) -> str:
-        """The absolute URL of ``path`` (what handles and the metadata store record)."""
+        """The absolute URL of ``path`` (for people: errors, logs, listings)."""
         return self._root_url + "/" + path if path else self._root_url
 
-    def relative(self, url: str) -> str:
-        """The path relative to this root of an absolute ``url`` from :meth:`url`."""
+    def relative(self, location: str) -> str:
+        """The store-relative path of a handle's ``location``.
+
+        Handles record paths relative to the store root, returned as they are (after
+        the checks every path gets). Older records hold absolute URLs: one inside this
+        root is cut to its relative part; one of another root (the store was copied or
+        synced elsewhere) resolves to its tail that has the shape of a store file
+        (:func:`dstl.layout.relative_of_url`), so a moved store still restores. Raises
+        :class:`ConfigError` for anything else.
+        """
+        if "://" not in location:
+            self._abs(location)  # refuses absolute paths and ".." components
+            return location
         prefix = self._root_url + "/"
-        if not url.startswith(prefix):
-            raise ConfigError(f"{url!r} is not inside store {self._root_url!r}")
-        return url[len(prefix) :]
+        if location.startswith(prefix):
+            return location[len(prefix) :]
+        moved = relative_of_url(location)
+        if moved is None:
+            raise ConfigError(f"{location!r} is not inside store {self._root_url!r}")
+        return moved
 
     # -- writing ----------------------------------------------------------------------
-    def write_new(self, path: str, data: bytes) -> None:
+    def write_new(self, path: str, data: bytes | memoryview) -> None:
         """Durably write ``data`` at ``path``, which must not exist yet.
 
         Returns only once the bytes are durable (local: fsync'd file and directory;
         S3: PUT acknowledged). Raises :class:`StorageConflictError` if the object exists.
+        A memoryview is written without a copy on local disk.
         """
         target = self._abs(path)
         with _translated(self.url(path)):
             if self.scheme == "file":
                 self._write_local(target, data)
             elif self.scheme == "s3":
-                self._fs.pipe_file(target, data, mode="create")
+                self._fs.pipe_file(target, bytes(data), mode="create")
             else:
                 if self._fs.exists(target):
                     raise FileExistsError(target)
-                self._fs.pipe_file(target, data)
+                self._fs.pipe_file(target, bytes(data))
 
-    def _write_local(self, target: str, data: bytes) -> None:
+    def _write_local(self, target: str, data: bytes | memoryview) -> None:
         # One C call, one GIL release: see dstl/_durable.c for why not os.* calls.
         directory, name = os.path.split(target)
         tmp = f".{name}.{os.getpid()}-{_TMP_NONCE}-{next(_tmp_counter)}.tmp"
@@ -234,7 +252,7 @@ class FileIO:
             mtime = info.get("mtime") or info.get("LastModified") or info.get("created")
             if mtime is not None and not isinstance(mtime, int | float):
                 mtime = mtime.timestamp()
-            out.append(FileInfo(self.url(rel), int(info.get("size") or 0), mtime))
+            out.append(FileInfo(rel, int(info.get("size") or 0), mtime))
         out.sort(key=lambda f: f.path)
         return out
 

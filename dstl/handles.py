@@ -13,17 +13,28 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from dstl.errors import CorruptionError
+from dstl.integrity import FileRef
+from dstl.layout import check_location
 
 FORMAT_VERSION = 1
 
 
 class Handle(Protocol):
-    """What every handle offers: a type tag and the durable files it references."""
+    """What every handle offers: a type tag and the durable files it references.
+
+    Locations are relative to the store root (``jobs/<job>/...``), so a store can be
+    copied or synced elsewhere and still restore; records written before that hold
+    absolute URLs, which :meth:`dstl.fileio.FileIO.relative` still resolves.
+    """
 
     TYPE_TAG: ClassVar[str]
 
     def files(self) -> list[str]:
-        """URLs of every durable file this handle needs."""
+        """Locations of every durable file this handle needs."""
+        ...
+
+    def file_refs(self) -> list[FileRef]:
+        """Every durable file this handle needs, with its size and content hash."""
         ...
 
 
@@ -95,9 +106,10 @@ def handle_from_json(data: dict[str, Any]) -> Any:
 class ChangelogHandle:
     """One writer's contiguous block of changes inside a segment file.
 
-    ``location`` is the segment's URL, ``block`` the Parquet row group holding exactly this
-    writer's changes with sequence numbers in ``[sqn_start, sqn_end)``; ``rows`` counts
-    them; ``size_bytes`` is the whole segment's size (shared with other writers' blocks).
+    ``location`` is the segment's path in the store, ``block`` the Parquet row group
+    holding exactly this writer's changes with sequence numbers in ``[sqn_start,
+    sqn_end)``; ``rows`` counts them; ``size_bytes`` and ``content_hash`` are the whole
+    segment's (shared with other writers' blocks; see :mod:`dstl.integrity`).
     """
 
     location: str
@@ -107,12 +119,12 @@ class ChangelogHandle:
     sqn_end: int
     rows: int
     size_bytes: int
+    content_hash: str = ""
 
     TYPE_TAG: ClassVar[str]
 
     def __post_init__(self) -> None:
-        if not self.location:
-            raise ValueError("changelog handle needs a location")
+        check_location(self.location)
         if self.block < 0 or self.rows < 0 or self.size_bytes < 0:
             raise ValueError(f"negative block/rows/size in {self!r}")
         if not 0 <= self.sqn_start < self.sqn_end:
@@ -121,3 +133,7 @@ class ChangelogHandle:
     def files(self) -> list[str]:
         """The segment file this block lives in."""
         return [self.location]
+
+    def file_refs(self) -> list[FileRef]:
+        """The segment file, with the size and hash recorded at its upload."""
+        return [FileRef(self.location, self.size_bytes, self.content_hash)]

@@ -31,6 +31,20 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+def check_location(location: str) -> str:
+    """Validate a handle's location: a path relative to the store root (no leading ``/``,
+    no ``..`` or empty component), or an absolute URL of an older record; ValueError if not.
+    """
+    if not isinstance(location, str) or not location:
+        raise ValueError("a handle needs a location")
+    if "://" in location:
+        return location
+    parts = location.split("/")
+    if location.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"location {location!r} is not a plain path inside the store")
+    return location
+
+
 def job_prefix(job: str) -> str:
     """Everything a job owns lives below this prefix."""
     return f"jobs/{check_name('job', job)}"
@@ -93,3 +107,34 @@ def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int
 def savepoint_prefix(job: str, checkpoint_id: int) -> str:
     """The directory that holds one self-contained savepoint's files."""
     return f"savepoints/{check_name('job', job)}/{checkpoint_id:016x}"
+
+
+_N = r"[A-Za-z0-9_.=-]+"
+_JOB_FILE = (
+    rf"jobs/{_N}/(changelog/{_N}/[0-9a-f]{{16}}-[0-9a-z]+\.parquet"
+    rf"|materialized/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}-[0-9a-z]+/{_N}"
+    rf"|sink/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}\.jsonl"
+    rf"|channel-state/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}\.bin)"
+)
+_STORE_FILE = re.compile(rf"^(?:savepoints/{_N}/[0-9a-f]{{16}}/)?{_JOB_FILE}$")
+
+
+def is_store_file(path: str) -> bool:
+    """Whether ``path`` (relative to a store root) has the shape of a file this layout names."""
+    return _STORE_FILE.match(path) is not None
+
+
+def relative_of_url(url: str) -> str | None:
+    """The store-relative path inside an absolute file URL of an older record, or None.
+
+    Records written before locations were relative hold URLs such as
+    ``file:///old/root/jobs/j/changelog/...``; the relative path is the longest tail that
+    starts at a ``jobs/`` or ``savepoints/`` component and has the shape of a store file,
+    whatever the old root was (so a store that moved still restores).
+    """
+    path = url.split("://", 1)[-1]
+    for start in (i + 1 for i, ch in enumerate(path) if ch == "/"):
+        tail = path[start:]
+        if tail.startswith(("jobs/", "savepoints/")) and is_store_file(tail):
+            return tail
+    return None

@@ -218,10 +218,10 @@ class HedgedWrite:
 
     def __init__(
         self,
-        write: Callable[[str, bytes], None],
+        write: Callable[[str, bytes | memoryview], None],
         delete: Callable[[str], object],
         new_path: Callable[[], str],
-        data: bytes,
+        data: bytes | memoryview,
         policy: RetryPolicy,
         clock: Clock,
         executor: Executor,

@@ -13,9 +13,9 @@ Shared files
 A materialization uploads only files it cannot *share*, and its handle lists every file
 it needs (shared and new). A file is shared when a file of the same name and identity
 (``StateFileHandle.file_id``) is in the backend's **current base** (``backend.base``) at
-the time of :meth:`Materializer.snapshot`. Identity is the content hash (blake2b-128) for
-in-memory files (heap tables) and ``sst:<size>:<blake2b-128>`` for local files (SSTs:
-name + size + checksum).
+the time of :meth:`Materializer.snapshot`. Identity is the content hash (SHA-256, see
+:mod:`dstl.integrity`) of heap tables and SSTs alike, so the name + identity pair is
+name + size + checksum; restore checks every file against it.
 
 Why only the current base: the base's files are referenced by every checkpoint taken
 since it was applied, and keep being referenced until a newer materialization replaces
@@ -52,11 +52,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.handles import MaterializationHandle, StateFileHandle
+from backends.handles import MaterializationHandle, StateFileHandle, file_id_of
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
+from dstl.integrity import content_hash
 from materializer.errors import MaterializationError
 from materializer.heap_layout import DEFAULT_PIECE_ROWS, snapshot_files
 
@@ -263,11 +264,11 @@ class Materializer:
                 # On UnknownOutcomeError this file may exist: it is not in ``new``, so the
                 # cleanup below leaves it for the orphan sweep.
                 self.fileio.write_new(path, data)
-                new.append(self.fileio.url(path))
+                new.append(path)
                 new_bytes += len(data)
                 files.append(
                     StateFileHandle(
-                        location=self.fileio.url(path),
+                        location=path,
                         size_bytes=len(data),
                         file_id=file_id,
                         state=f.state,
@@ -355,11 +356,11 @@ class Materializer:
 
 
 def _content(f: SnapshotFile) -> tuple[bytes, str]:
-    """The bytes of ``f`` and its identity (content hash, or SST size + checksum)."""
+    """The bytes of ``f`` and its identity (its content hash, see :mod:`dstl.integrity`)."""
     if f.data is not None:
-        return f.data, hashlib.blake2b(f.data, digest_size=16).hexdigest()
+        return f.data, file_id_of(content_hash(f.data))
     assert f.local_path is not None
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.sha256()
     chunks: list[bytes] = []
     try:
         with open(f.local_path, "rb") as fh:
@@ -368,5 +369,4 @@ def _content(f: SnapshotFile) -> tuple[bytes, str]:
                 chunks.append(chunk)
     except OSError as exc:
         raise MaterializationError(f"cannot read local state file {f.local_path}: {exc}") from exc
-    data = b"".join(chunks)
-    return data, f"sst:{len(data)}:{digest.hexdigest()}"
+    return b"".join(chunks), file_id_of(digest.hexdigest())

@@ -50,7 +50,7 @@ class Harness:
         path = f"jobs/{JOB}/{name}"
         if not self.fileio.exists(path):
             self.fileio.write_new(path, data)
-        return self.fileio.url(path)
+        return path
 
     def op_state(
         self, cid: int, segments: list[str], extra: tuple[object, ...] = ()
@@ -135,7 +135,7 @@ def test_timeout_aborts_and_a_late_ack_releases_only_private_files(
     h.coord.close()  # joins the deleter
     assert not h.exists(channel.location)
     assert h.exists(sink.location)
-    assert h.exists(h.fileio.url(f"jobs/{JOB}/changelog/seg-1"))
+    assert h.exists(f"jobs/{JOB}/changelog/seg-1")
     assert h.completed == []
 
 
@@ -256,7 +256,7 @@ def test_savepoint_is_self_contained_and_survives_retention(
     # 2 was triggered before 1 completed: a savepoint does not subsume it
     assert 2 in h.coord.pending
     files = sp.files()
-    assert files and all(f.startswith(h.fileio.url(f"savepoints/{JOB}/{1:016x}/")) for f in files)
+    assert files and all(f.startswith(f"savepoints/{JOB}/{1:016x}/") for f in files)
     op = sp.states_of("op")[0]
     assert op.handles[0].location.endswith(f"savepoints/{JOB}/{1:016x}/jobs/{JOB}/changelog/seg-a")
     assert store.get(JOB, 1).files() == files  # the record points at the copies
@@ -278,9 +278,7 @@ def test_savepoint_failure_is_reported_and_not_a_checkpoint_failure(
     h = _harness(store, tmp_path, interval_s=100.0, tolerable_failures=0)
     future = h.coord.request_savepoint()
     h.coord.tick(0.0)
-    missing = ChangelogHandle(
-        h.fileio.url(f"jobs/{JOB}/changelog/never-written"), 0, "w", 0, 1, 1, 1
-    )
+    missing = ChangelogHandle(f"jobs/{JOB}/changelog/never-written", 0, "w", 0, 1, 1, 1)
     h.coord.acknowledge(1, SubtaskState("src", 0, offset=0))
     h.coord.acknowledge(1, SubtaskState("op", 0, (missing,)))
     h.coord.tick(0.1)  # no JobFailedError although tolerable_failures=0
@@ -316,7 +314,7 @@ def test_unknown_commit_outcome_deletes_nothing(metadata_url: str, tmp_path: Pat
     h.coord.close()
     assert h.exists(channel.location)  # the record did land and references it
     assert store.get(JOB, 1).files() == [
-        h.fileio.url(f"jobs/{JOB}/changelog/seg-1"),
+        f"jobs/{JOB}/changelog/seg-1",
         channel.location,
     ]
     store.close()

@@ -113,6 +113,48 @@ def test_a_v1_database_migrates_in_place(metadata_url: str) -> None:
     engine.dispose()
 
 
+def test_a_v2_database_gets_store_relative_locations(metadata_url: str) -> None:
+    """v3 makes locations relative to the store root, so a copied store still restores."""
+    import json
+
+    import sqlalchemy as sa
+
+    from coordinator.metadata import create_schema
+
+    old_root = "file:///old/place/store"
+    seg = f"jobs/old/changelog/w0-a0000/{1:016x}-abc123.parquet"
+    weird = "file:///elsewhere/not-a-store-file"
+    engine = sa.create_engine(metadata_url)
+    with engine.begin() as conn:  # a v2 record, as v2 code wrote it: absolute URLs
+        create_schema(conn, 2)
+        conn.execute(
+            sa.text(
+                "INSERT INTO jobs (job_id, created_at, attempt, last_checkpoint_id, status) "
+                "VALUES ('old', 1.0, 0, 1, 'finished')"
+            )
+        )
+        conn.execute(
+            sa.text("INSERT INTO checkpoints VALUES ('old', 1, 'checkpoint', 1.0, 2.0, '{}', '{}')")
+        )
+        handles = [
+            {"type": "changelog", "v": 1, "location": f"{old_root}/{seg}", "block": 0,
+             "writer_id": "w", "sqn_start": 0, "sqn_end": 1, "rows": 1, "size_bytes": 10},
+            {"type": "changelog", "v": 1, "location": weird, "block": 0,
+             "writer_id": "w", "sqn_start": 1, "sqn_end": 2, "rows": 1, "size_bytes": 10},
+        ]  # fmt: skip
+        state = json.dumps({"handles": handles, "offset": None, "stats": {}})
+        conn.execute(
+            sa.text("INSERT INTO subtask_states VALUES ('old', 1, 'op', 0, :s)"), {"s": state}
+        )
+        for location in (f"{old_root}/{seg}", weird):
+            conn.execute(sa.text("INSERT INTO file_refs VALUES ('old', 1, :l)"), {"l": location})
+    engine.dispose()
+    store = MetadataStore(metadata_url, create=False)
+    assert store.get("old", 1).files() == [seg, weird]  # a URL of no store file is kept
+    assert store.referenced_files() == {seg, weird}
+    store.close()
+
+
 def test_a_newer_schema_is_refused(metadata_url: str) -> None:
     import sqlalchemy as sa
 

@@ -42,7 +42,7 @@ class FaultyFileIO(FileIO):
         with self._cond:
             self.plan.extend(actions)
 
-    def write_new(self, path: str, data: bytes) -> None:
+    def write_new(self, path: str, data: bytes | memoryview) -> None:
         with self._cond:
             action = self.plan.pop(0) if self.plan else "ok"
             self.writes.append((path, action))

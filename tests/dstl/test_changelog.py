@@ -78,7 +78,7 @@ def test_failed_upload_is_retried_by_the_next_persist(fileio: FileIO) -> None:
     class Flaky(FileIO):
         fail = True
 
-        def write_new(self, path: str, data: bytes) -> None:
+        def write_new(self, path: str, data: bytes | memoryview) -> None:
             if Flaky.fail:
                 Flaky.fail = False
                 raise OSError("disk full")

@@ -17,6 +17,7 @@ from dstl._durable import exchange
 from dstl._records import KIND_BYTES, KIND_INT64, KIND_NONE, KIND_STR, RecordColumns
 from dstl.buffer import ChangeBuffer
 from dstl.encoder import PendingBlock, SegmentEncoder, shared_encoder
+from dstl.integrity import content_hash
 from dstl.segment import SegmentReader, encode_segment
 
 
@@ -70,14 +71,16 @@ def encoder() -> Iterator[SegmentEncoder]:
 
 def test_the_helper_writes_the_bytes_encode_segment_writes(encoder: SegmentEncoder) -> None:
     blocks = _blocks()
-    data = encoder.encode(blocks)
+    segment = encoder.encode(blocks)
+    data = bytes(segment.data)
     assert data == _in_process(blocks)
+    assert segment.content_hash == content_hash(data)  # hashed in the helper, what restore checks
     assert (encoder.started, encoder.fallbacks) == (1, 0)
     reader = SegmentReader(data, "mem")
     table = reader.read_block(0, "a")
     assert table.num_rows == blocks[0].changes.rows
     assert table["value"].null_count == 100  # the record buffer's nulls survived
-    assert encoder.encode(blocks[1:]) == _in_process(blocks[1:])  # the helper is reused
+    assert bytes(encoder.encode(blocks[1:]).data) == _in_process(blocks[1:])  # the helper is reused
     assert encoder.started == 1
 
 
@@ -88,9 +91,9 @@ def test_a_helper_killed_between_requests_is_replaced(encoder: SegmentEncoder) -
     os.kill(first, signal.SIGKILL)
     os.waitpid(first, 0)
     blocks = _blocks()
-    assert encoder.encode(blocks) == _in_process(blocks)  # found dead by writing to it
+    assert bytes(encoder.encode(blocks).data) == _in_process(blocks)  # found dead by writing to it
     assert (encoder.fallbacks, encoder.pid) == (1, None)
-    assert encoder.encode(blocks) == _in_process(blocks)
+    assert bytes(encoder.encode(blocks).data) == _in_process(blocks)
     assert (encoder.fallbacks, encoder.started) == (1, 2) and encoder.pid != first
 
 
@@ -110,7 +113,9 @@ def test_a_broken_helper_falls_back_to_encoding_here(
     enc = SegmentEncoder(timeout_s=2)
     try:
         blocks = _blocks()
-        assert enc.encode(blocks) == _in_process(blocks)
+        segment = enc.encode(blocks)
+        assert bytes(segment.data) == _in_process(blocks)
+        assert segment.content_hash == content_hash(bytes(segment.data))  # hashed here instead
         assert enc.fallbacks == 1 and enc.pid is None  # the broken helper was stopped
     finally:
         enc.close()
@@ -127,7 +132,7 @@ def test_a_data_error_raises_as_in_process_and_keeps_the_helper(
         encoder.encode([PendingBlock("e", 0, 1, empty)])
     assert encoder.fallbacks == 1 and encoder.pid == pid
     blocks = _blocks()
-    assert encoder.encode(blocks) == _in_process(blocks)
+    assert bytes(encoder.encode(blocks).data) == _in_process(blocks)
 
 
 def test_a_forked_child_starts_its_own_helper() -> None:
@@ -139,14 +144,18 @@ def test_a_forked_child_starts_its_own_helper() -> None:
         try:
             child = shared_encoder()
             blocks = _blocks()
-            ok = child is not parent_helper and child.encode(blocks) == _in_process(blocks)
+            ok = child is not parent_helper and bytes(child.encode(blocks).data) == _in_process(
+                blocks
+            )
             code = 0 if ok and child.fallbacks == 0 and child.pid != parent_helper.pid else 1
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     blocks = _blocks()
-    assert parent_helper.encode(blocks) == _in_process(blocks)  # the parent's still works
+    assert bytes(parent_helper.encode(blocks).data) == _in_process(
+        blocks
+    )  # the parent's still works
 
 
 def test_exchange_reads_a_reply_longer_than_its_guess() -> None:

@@ -152,7 +152,7 @@ def test_first_success_wins_even_if_it_is_the_slow_one(
     fio.release.set()
     winner = result.result(timeout=10)
     executor.shutdown(wait=True)
-    assert [f.path for f in fio.list("seg")] == [fio.url(winner)]
+    assert [f.path for f in fio.list("seg")] == [winner]
 
 
 def test_budget_blocks_until_released_and_never_fails() -> None:

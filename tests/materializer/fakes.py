@@ -105,12 +105,12 @@ class FailingFileIO(FileIO):
         self.calls = 0
         self.in_doubt: list[str] = []
 
-    def write_new(self, path: str, data: bytes) -> None:
+    def write_new(self, path: str, data: bytes | memoryview) -> None:
         self.calls += 1
         if self.calls == self.fail_on:
             if self.unknown:  # the bytes landed, but the caller cannot know
                 super().write_new(path, data)
-                self.in_doubt.append(self.url(path))
+                self.in_doubt.append(path)
                 raise UnknownOutcomeError("timeout after send", self.url(path))
             raise StorageError("injected write failure", self.url(path))
         super().write_new(path, data)

@@ -131,7 +131,7 @@ def test_missing_file_fails_before_writing(
         )
         == 0
     )
-    victim = Path(json.loads(capsys.readouterr().out)["files"][-1].removeprefix("file://"))
+    victim = store / json.loads(capsys.readouterr().out)["files"][-1]
     aside = tmp_path / "aside"
     victim.rename(aside)
     try:

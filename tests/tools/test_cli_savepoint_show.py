@@ -102,7 +102,7 @@ def test_a_missing_file_records_nothing_and_leaves_no_copy(
     before = _list(store, capsys)
     latest = max(int(str(r["checkpoint"])) for r in before)
     with MetadataStore.for_local_store(str(store)) as meta:
-        victim = Path(meta.get("demo", latest).files()[-1].removeprefix("file://"))
+        victim = store / meta.get("demo", latest).files()[-1]
     victim.unlink()
     assert main(["savepoint", "--store", str(store)]) == 1
     err = capsys.readouterr().err

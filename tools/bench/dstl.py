@@ -69,7 +69,7 @@ class CountingFileIO(FileIO):
             self.requests += 1
             self.bytes_written += nbytes
 
-    def write_new(self, path: str, data: bytes) -> None:
+    def write_new(self, path: str, data: bytes | memoryview) -> None:
         self._count(len(data))
         super().write_new(path, data)
 
