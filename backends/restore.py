@@ -51,7 +51,11 @@ def _check_key_serializer(backend: KeyedStateBackend, name: str, what: str) -> N
 
 
 def _decode_heap_parquet(
-    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, _rng: KeyGroupRange
+    backend: KeyedStateBackend,
+    fileio: FileIO,
+    handle: MaterializationHandle,
+    _rng: KeyGroupRange,
+    trusted: bool,
 ) -> Decoded:
     decoded: Decoded = []
     for f in handle.state_files:
@@ -59,7 +63,8 @@ def _decode_heap_parquet(
         table = parquet_to_table(read_verified(fileio, f.file_refs()[0]), url)
         meta, key_ser = table_meta(table, url)
         _check_key_serializer(backend, key_ser.name, f"state {meta.name!r}")
-        decoded.append((meta, table_entries(meta, key_ser, table)))
+        meta = meta if trusted else meta.untrusted()
+        decoded.append((meta, table_entries(meta, backend.key_serializer, table)))
     return decoded
 
 
@@ -81,7 +86,11 @@ def _file_name(location: str, name: str) -> str:
 
 
 def _decode_rocksdb_sst(
-    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, rng: KeyGroupRange
+    backend: KeyedStateBackend,
+    fileio: FileIO,
+    handle: MaterializationHandle,
+    rng: KeyGroupRange,
+    trusted: bool,
 ) -> Decoded:
     """Download the files, open them as a temporary RocksDB, scan ``rng`` once."""
     tmp = tempfile.mkdtemp(prefix="rocksdb-restore-")
@@ -118,8 +127,9 @@ def _decode_rocksdb_sst(
         finally:
             db.close()
         return [
-            (meta, decode_state_rows(meta, backend.key_serializer, rows[sid]))
+            (m, decode_state_rows(m, backend.key_serializer, rows[sid]))
             for sid, meta in sorted(states.items())
+            for m in (meta if trusted else meta.untrusted(),)
         ]
     except OSError as exc:
         raise CorruptionError(f"cannot unpack RocksDB files ({exc})", handle.writer_id) from exc
@@ -129,7 +139,7 @@ def _decode_rocksdb_sst(
 
 _DECODERS: dict[
     str,
-    Callable[[KeyedStateBackend, FileIO, MaterializationHandle, KeyGroupRange], Decoded],
+    Callable[[KeyedStateBackend, FileIO, MaterializationHandle, KeyGroupRange, bool], Decoded],
 ] = {"heap-parquet": _decode_heap_parquet, "rocksdb-sst": _decode_rocksdb_sst}
 
 
@@ -138,11 +148,12 @@ def _load_materialization(
     fileio: FileIO,
     handle: MaterializationHandle,
     key_groups: KeyGroupRange,
+    trusted: bool,
 ) -> None:
     decoder = _DECODERS.get(handle.kind)
     if decoder is None:
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
-    decoded = decoder(backend, fileio, handle, key_groups)
+    decoded = decoder(backend, fileio, handle, key_groups, trusted)
     now = backend.clock()
     for meta, (kgs, keys, values) in decoded:
         known = backend.state_metas().get(meta.name)
@@ -164,7 +175,9 @@ def _load_materialization(
         backend.load_entries(meta, kgs, keys, values, key_groups)
 
 
-def _replay_table(backend: KeyedStateBackend, table: pa.Table, location: str) -> None:
+def _replay_table(
+    backend: KeyedStateBackend, table: pa.Table, location: str, trusted: bool
+) -> None:
     states: dict[str, tuple[StateMeta, Any, Serializer, Serializer | None]] = {}
     key_ser: Serializer = backend.key_serializer
     cols = [table[c].to_pylist() for c in ("key_group", "state", "op", "key", "user_key", "value")]
@@ -172,6 +185,7 @@ def _replay_table(backend: KeyedStateBackend, table: pa.Table, location: str) ->
     for kg, name, op, key, user_key, value in zip(*cols, strict=True):
         if op == Op.META:
             meta = StateMeta.from_json(value)
+            meta = meta if trusted else meta.untrusted()
             known = backend.state_metas().get(name)
             if known is not None:
                 known.check_compatible(meta)
@@ -222,12 +236,18 @@ def _replay_table(backend: KeyedStateBackend, table: pa.Table, location: str) ->
 
 
 def restore_into(
-    backend: KeyedStateBackend, fileio: FileIO, handles: Sequence[KeyedStateHandle]
+    backend: KeyedStateBackend,
+    fileio: FileIO,
+    handles: Sequence[KeyedStateHandle],
+    trusted: bool = True,
 ) -> None:
     """Load ``handles`` into an empty ``backend`` (heap or RocksDB; no changelog written).
 
     Materializations of either kind (``heap-parquet``, ``rocksdb-sst``) load into either
     store, filtered to the backend's key groups (so any p -> q rescale works).
+    ``trusted=False`` (tools reading somebody's store) runs none of the store's code:
+    pickled values stay bytes; the backend's key serializer must be resolved the same way
+    (``serializer_for(name, trusted=False)``).
     """
     for h in handles:
         if (
@@ -245,13 +265,13 @@ def restore_into(
     for h in relevant(handles, backend.key_group_range):
         rng = _intersect(backend.key_group_range, h.key_group_range)
         for m in h.materialized:
-            _load_materialization(backend, fileio, m, rng)
+            _load_materialization(backend, fileio, m, rng, trusted)
         by_writer: dict[str, list[ChangelogHandle]] = {}
         for c in h.changelog:
             by_writer.setdefault(c.writer_id, []).append(c)
         for writer_id, logs in by_writer.items():
             for table in read_changes(fileio, logs, h.replay_from(writer_id), (rng.start, rng.end)):
-                _replay_table(backend, table, logs[0].location)
+                _replay_table(backend, table, logs[0].location, trusted)
 
 
 def _intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:

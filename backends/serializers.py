@@ -142,6 +142,16 @@ class PickleSerializer(_Typed):
         return [self.deserialize(b) for b in column.to_pylist()]
 
 
+class OpaquePickleSerializer(BytesSerializer):
+    """Pickled values left as their bytes: how a store's values are read when it is not
+    trusted (tools, Spark jobs). Same name and column as :class:`PickleSerializer`, so a
+    table written from it is byte-identical, but nothing is ever unpickled: unpickling runs
+    code, and a store written by somebody else must not run code in the reader.
+    """
+
+    name = "pickle"
+
+
 INT64: Serializer = _Struct("int64", "<q", pa.int64(), pack_int64)
 FLOAT64: Serializer = _Struct("float64", "<d", pa.float64(), pack_float64)
 BOOL: Serializer = _Struct("bool", "<?", pa.bool_())
@@ -267,6 +277,12 @@ class TtlSerializer(_Typed):
 
 
 _BY_NAME: dict[str, Serializer] = {s.name: s for s in (INT64, FLOAT64, BOOL, STR, BYTES, PICKLE)}
+# Untrusted resolution: the same, with pickle kept as bytes (user serializers registered by
+# name stay out: their code is the user's, and a store names them, it does not ship them).
+_UNTRUSTED: dict[str, Serializer] = {
+    **{name: s for name, s in _BY_NAME.items() if name != "pickle"},
+    "pickle": OpaquePickleSerializer(),
+}
 
 
 def _split_top_level(inner: str) -> list[str]:
@@ -285,27 +301,31 @@ def _split_top_level(inner: str) -> list[str]:
     return parts
 
 
-def serializer_for(name: str) -> Serializer:
+def serializer_for(name: str, trusted: bool = True) -> Serializer:
     """The serializer recorded as ``name`` (what a restore needs).
 
     Every built-in name round-trips, including composite ones (``tuple<int64,str>``,
     nested tuples, ``ttl<...>``). Composite serializers are built once and cached.
+    ``trusted=False`` is for reading a store that may come from somebody else: pickled
+    values stay bytes (:class:`OpaquePickleSerializer`) and user-registered serializers
+    are unknown (:class:`ConfigError`), so reading runs none of the store's code.
     """
-    found = _BY_NAME.get(name)
+    known = _BY_NAME if trusted else _UNTRUSTED
+    found = known.get(name)
     if found is not None:
         return found
     for prefix in ("tuple<", "ttl<"):
         if name.startswith(prefix) and name.endswith(">"):
             parts = _split_top_level(name[len(prefix) : -1])
             if prefix == "tuple<":
-                made: Serializer = TupleSerializer([serializer_for(p) for p in parts])
+                made: Serializer = TupleSerializer([serializer_for(p, trusted) for p in parts])
             elif len(parts) == 1:
-                made = TtlSerializer(serializer_for(parts[0]))
+                made = TtlSerializer(serializer_for(parts[0], trusted))
             else:
                 break
-            _BY_NAME[made.name] = made
+            known[made.name] = made
             return made
-    raise ConfigError(f"unknown serializer {name!r}; known: {sorted(_BY_NAME)}") from None
+    raise ConfigError(f"unknown serializer {name!r}; known: {sorted(known)}") from None
 
 
 def tuple_of(*elements: Serializer) -> Serializer:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
-from backends.serializers import BOOL, INT64, PICKLE, Serializer, serializer_for, ttl_of
+from backends.serializers import BOOL, INT64, PICKLE, Serializer, serializer_for
 from dstl.errors import ConfigError, CorruptionError, SchemaMismatchError
 
 K = TypeVar("K")
@@ -82,6 +82,13 @@ class StateMeta:
     value_serializer: str
     user_key_serializer: str | None = None
     ttl: StateTtlConfig | None = None
+    # Not part of the state's identity: whether its serializers may run the store's code
+    # (see :func:`backends.serializers.serializer_for`). False when tools read a store.
+    trusted: bool = field(default=True, compare=False, repr=False)
+
+    def untrusted(self) -> StateMeta:
+        """The same state, resolved so that reading it runs none of the store's code."""
+        return replace(self, trusted=False) if self.trusted else self
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of :meth:`to_json` (TTL keys only when TTL is on)."""
@@ -118,18 +125,18 @@ class StateMeta:
 
     def value_ser(self) -> Serializer:
         """The user's value (element, accumulator) serializer."""
-        return serializer_for(self.value_serializer)
+        return serializer_for(self.value_serializer, self.trusted)
 
     def raw_value_ser(self) -> Serializer:
         """The serializer of stored values: the user's, wrapped as ``(ts, value)`` with TTL."""
-        ser = serializer_for(self.value_serializer)
-        return ser if self.ttl is None else ttl_of(ser)
+        ser = serializer_for(self.value_serializer, self.trusted)
+        return ser if self.ttl is None else serializer_for(f"ttl<{ser.name}>", self.trusted)
 
     def user_key_ser(self) -> Serializer:
         """The user-key serializer of map-like state."""
         if self.user_key_serializer is None:
             raise ConfigError(f"state {self.name!r} ({self.kind.value}) has no user keys")
-        return serializer_for(self.user_key_serializer)
+        return serializer_for(self.user_key_serializer, self.trusted)
 
     def check_compatible(self, other: StateMeta) -> None:
         """Raise :class:`SchemaMismatchError` unless ``other`` declares the same state."""
