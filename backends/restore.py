@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,8 +17,10 @@ import pyarrow as pa
 
 from backends.backend import KeyedStateBackend
 from backends.changelog import ChangelogKeyedStateBackend
+from backends.errors import LocalStoreError
 from backends.handles import KeyedStateHandle, MaterializationHandle
 from backends.keygroups import KeyGroupRange
+from backends.localdirs import owned_dir
 from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
 from backends.serializers import Serializer, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
@@ -93,7 +93,8 @@ def _decode_rocksdb_sst(
     trusted: bool,
 ) -> Decoded:
     """Download the files, open them as a temporary RocksDB, scan ``rng`` once."""
-    tmp = tempfile.mkdtemp(prefix="rocksdb-restore-")
+    scratch = owned_dir("rocksdb-restore-")  # reclaimed after a kill (backends.localdirs)
+    tmp = scratch.path
     try:
         db_dir = os.path.join(tmp, "db")
         os.makedirs(db_dir)
@@ -114,7 +115,12 @@ def _decode_rocksdb_sst(
         key_ser, _max_par, states = decode_metadata(metadata, handle.writer_id)
         _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
         rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in states}
-        db = open_raw_db(db_dir)
+        try:
+            db = open_raw_db(db_dir)
+        except LocalStoreError as exc:  # the files are what was recorded, or have no hash
+            raise CorruptionError(
+                f"RocksDB cannot open the materialization ({exc})", handle.writer_id
+            ) from exc
         try:
             lo = rng.start.to_bytes(2, "big")
             hi = rng.end.to_bytes(2, "big") if rng.end < 1 << 16 else b"\xff\xff\xff"
@@ -124,6 +130,12 @@ def _decode_rocksdb_sst(
                 if bucket is None:
                     raise CorruptionError(f"row of unknown state id {sid}", handle.writer_id)
                 bucket.append((k, v))
+        except CorruptionError:
+            raise
+        except Exception as exc:  # rocksdict raises plain Exceptions on bad blocks
+            raise CorruptionError(
+                f"RocksDB cannot read the materialization ({exc})", handle.writer_id
+            ) from exc
         finally:
             db.close()
         return [
@@ -131,10 +143,10 @@ def _decode_rocksdb_sst(
             for sid, meta in sorted(states.items())
             for m in (meta if trusted else meta.untrusted(),)
         ]
-    except OSError as exc:
-        raise CorruptionError(f"cannot unpack RocksDB files ({exc})", handle.writer_id) from exc
+    except OSError as exc:  # the local scratch directory: a full disk is no corruption
+        raise LocalStoreError(f"cannot unpack RocksDB files locally ({exc})") from exc
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        scratch.release()
 
 
 _DECODERS: dict[

@@ -33,6 +33,7 @@ from backends.backend import wall_clock_ms
 from backends.batch import PreparedBatch, prepare_batch
 from backends.errors import KeyGroupOutOfRangeError, LocalStoreError
 from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
+from backends.localdirs import owned_dir
 from backends.serializers import Serializer, pack_list, unpack_list
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
@@ -364,7 +365,9 @@ class RocksDBKeyedStateBackend:
 
     ``RocksDBKeyedStateBackend(key_serializer, key_group_range, max_parallelism=128,
     path=None, clock=wall_clock_ms)``: ``path`` is a directory for the database and its
-    snapshots; by default a fresh temp directory that :meth:`close` deletes. Use it as a
+    snapshots; by default a fresh temp directory. :meth:`close` deletes the directory if
+    the backend created it; while open it is locked (:mod:`backends.localdirs`), so the
+    directory of a killed process is reclaimed by the next start or ``statectl gc``. Use it as a
     context manager or call :meth:`close`. Task thread only (snapshots it returns are
     immutable and may be read on any thread). Same API and invariants as
     :class:`~backends.heap.HeapKeyedStateBackend`.
@@ -384,13 +387,19 @@ class RocksDBKeyedStateBackend:
         self.key_group_range = key_group_range
         self.max_parallelism = max_parallelism
         self.clock = clock
-        self._owns_dir = path is None
-        self.path = path if path is not None else tempfile.mkdtemp(prefix="rocksdb-state-")
-        os.makedirs(self.path, exist_ok=True)
+        try:  # locked while open: a killed process's directory is reclaimed (localdirs)
+            self._dir = owned_dir("rocksdb-state-", path=path)
+        except OSError as exc:
+            raise LocalStoreError(f"cannot take RocksDB directory {path} ({exc})") from exc
+        self.path = self._dir.path
         db_dir = os.path.join(self.path, "db")
-        if os.path.exists(db_dir):
-            raise LocalStoreError(f"{db_dir} exists: a RocksDB backend needs a fresh directory")
-        self._db = open_raw_db(db_dir)
+        try:
+            if os.path.exists(db_dir):
+                raise LocalStoreError(f"{db_dir} exists: a RocksDB backend needs a fresh directory")
+            self._db = open_raw_db(db_dir)
+        except BaseException:
+            self._dir.release()
+            raise
         self._kg_bytes = [kg.to_bytes(2, "big") for kg in range(max_parallelism)]
         self.current_key: Any = None
         self.current_key_bytes = b""
@@ -664,5 +673,4 @@ class RocksDBKeyedStateBackend:
         try:
             self._db.close()
         finally:
-            if self._owns_dir:
-                shutil.rmtree(self.path, ignore_errors=True)
+            self._dir.release()

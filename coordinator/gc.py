@@ -4,18 +4,26 @@ Online reference counting releases the files of subsumed checkpoints; what it ca
 is left here: files of checkpoints that never completed (a crash between "files written"
 and "record committed", a declined or expired checkpoint, an unknown commit outcome),
 segments and materializations a dead attempt uploaded, staged sink transactions that no
-checkpoint will ever carry. A file is an orphan when no checkpoint or savepoint of any
-job references it (jobs restored from this one share its files) and it is older than a
-safety age: younger files may belong to in-flight work of a running job (a checkpoint
-that has not completed yet, a segment persisted ahead of the next checkpoint).
+checkpoint will ever carry, temporary files of local writes a killed process never
+finished, and the copies of a savepoint that failed half-way. A file is an orphan when no
+checkpoint or savepoint of any job references it (jobs restored from this one share its
+files) and it is older than a safety age: younger files may belong to in-flight work of a
+running job (a checkpoint that has not completed yet, a segment persisted ahead of the
+next checkpoint, a savepoint being copied).
+
+A job's sweep covers ``jobs/<job>/`` and ``savepoints/<job>/``; a recorded savepoint's
+files are referenced by its record, so only unrecorded copies are orphans there.
+References are store-relative paths, and so are listings, so a store reached through a
+symlink or another root compares like with like.
 
 :func:`plan_sweep` is pure apart from listing; :func:`sweep` executes a plan and tolerates
-files already gone. Savepoints live outside job prefixes and are never swept.
+files already gone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -67,16 +75,17 @@ def plan_sweep(
     min_age_s: float = DEFAULT_MIN_AGE_S,
     now: float | None = None,
 ) -> SweepPlan:
-    """List ``jobs/<job>/`` and classify every file: referenced, too young, or orphan.
+    """List the job's prefixes and classify every file: referenced, too young, or orphan.
 
     The references are read *after* the listing, so a checkpoint that completes in
     between protects its files. A file without a modification time counts as too young.
+    ``min_age_s`` must be a finite number >= 0 (``nan`` would make every file old).
     """
-    if min_age_s < 0:
-        raise ConfigError("gc min age must be >= 0 seconds")
+    if not (math.isfinite(min_age_s) and min_age_s >= 0):
+        raise ConfigError(f"gc min age must be a finite number >= 0 seconds, got {min_age_s}")
     now = time.time() if now is None else now
     prefix = layout.job_prefix(job_id)
-    files = fileio.list(prefix)
+    files = fileio.list(prefix) + fileio.list(layout.savepoints_of(job_id))
     referenced = store.referenced_files()
     young: list[FileInfo] = []
     orphans: list[FileInfo] = []

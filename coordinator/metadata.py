@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,9 @@ import coordinator.sink  # noqa: F401
 from coordinator.errors import SchemaVersionError
 from dstl.errors import (
     CheckpointNotFoundError,
+    ConfigError,
+    CorruptionError,
+    MetadataCorruptError,
     MetadataNotFoundError,
     MetadataStoreError,
     StateBackendError,
@@ -231,15 +235,23 @@ class SubtaskState:
 
     @classmethod
     def from_row(cls, operator: str, subtask: int, text: str) -> SubtaskState:
-        """Inverse of :meth:`to_json`."""
-        raw = json.loads(text)
-        return cls(
-            operator,
-            subtask,
-            tuple(handle_from_json(h) for h in raw["handles"]),
-            raw.get("offset"),
-            raw.get("stats", {}),
-        )
+        """Inverse of :meth:`to_json`; a damaged row is a :class:`MetadataCorruptError`."""
+        try:
+            raw = json.loads(text)
+            stats = raw.get("stats", {})
+            if not isinstance(raw["handles"], list) or not isinstance(stats, dict):
+                raise TypeError("handles must be a list and stats an object")
+            return cls(
+                operator,
+                subtask,
+                tuple(handle_from_json(h) for h in raw["handles"]),
+                raw.get("offset"),
+                stats,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, CorruptionError) as exc:
+            raise MetadataCorruptError(
+                f"damaged state record of {operator}/{subtask} ({one_line(exc)})"
+            ) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,12 +290,98 @@ class CompletedCheckpoint:
         return list(out.values())
 
 
+MAX_ID = (1 << 63) - 1
+"""The largest checkpoint id the schema holds (a signed 64-bit ``BIGINT``)."""
+
+
+def _checkpoint_of(row: Any, subtasks: tuple[SubtaskState, ...]) -> CompletedCheckpoint:
+    """A ``checkpoints`` row as a record; a damaged row is a :class:`MetadataCorruptError`."""
+    try:
+        stats = json.loads(row.stats)
+        if not isinstance(stats, dict):
+            raise TypeError("stats must be an object")
+        return CompletedCheckpoint(
+            str(row.job_id),
+            int(row.checkpoint_id),
+            str(row.kind),
+            float(row.triggered_at),
+            float(row.completed_at),
+            subtasks,
+            stats,
+        )
+    except (ValueError, TypeError) as exc:
+        raise MetadataCorruptError(
+            f"damaged record of checkpoint {row.checkpoint_id} of job {row.job_id} ({exc})"
+        ) from exc
+
+
 @dataclass(frozen=True, slots=True)
 class Retention:
     """What recording a checkpoint removed: checkpoint ids and now unreferenced files."""
 
     removed_ids: tuple[int, ...]
     released: list[str]
+
+
+_SQLITE_DAMAGED = ("file is not a database", "database disk image is malformed", "malformed")
+_SECRET_KEYS = re.compile(r"pass|secret|token|credential|key", re.IGNORECASE)
+
+
+def safe_url(url: str) -> str:
+    """``url`` with its password and secret-looking query values replaced by ``***``.
+
+    For every error and log line that names a metadata store: a password belongs in the
+    URL's user info or in a query parameter (``?password=...``), and neither is printed.
+    """
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        masked = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
+        return re.sub(
+            r"([?&][^=&]*(?:pass|secret|token|credential|key)[^=&]*=)[^&]*",
+            r"\1***",
+            masked,
+            flags=re.IGNORECASE,
+        )
+    query = {k: ("***" if _SECRET_KEYS.search(k) else v) for k, v in parsed.query.items()}
+    if parsed.password is not None:
+        parsed = parsed.set(password="***")
+    return parsed.set(query=query).render_as_string(hide_password=False)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The password and secret-looking query values of ``url`` (to mask them anywhere)."""
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):
+        found = re.findall(r"://[^:/@]*:([^@]*)@", url)
+        found += re.findall(
+            r"[?&][^=&]*(?:pass|secret|token|credential|key)[^=&]*=([^&]*)",
+            url,
+            flags=re.IGNORECASE,
+        )
+        return [s for s in found if s]
+    secrets = [str(v) for k, v in parsed.query.items() if _SECRET_KEYS.search(k)]
+    if parsed.password:
+        secrets.append(str(parsed.password))
+    return [s for s in secrets if s]
+
+
+def safe_text(text: str, url: str) -> str:
+    """``text`` (a driver's error message) with the secrets of ``url`` replaced by ``***``."""
+    for secret in sorted(url_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: drivers' multi-line messages and doc links folded away."""
+    lines = [
+        ln.strip()
+        for ln in str(exc).splitlines()
+        if ln.strip() and not ln.startswith("(Background")
+    ]
+    return " ".join(lines) or type(exc).__name__
 
 
 SCHEMA_LOCK = 0x5354_4154_4531  # PostgreSQL advisory lock key held while checking the schema
@@ -302,27 +400,30 @@ class MetadataStore:
 
     Thread-safe: each method runs in its own transaction on a pooled connection; no
     mutable state besides the engine. ``create=False`` opens only an existing store
-    (what the CLI does) and raises :class:`MetadataStoreError` otherwise.
+    (what the CLI does) and raises :class:`MetadataStoreError` otherwise. The URL's
+    password never appears in an error or log line (:func:`safe_url`).
     """
 
     def __init__(self, url: str, create: bool = True) -> None:
         self.url = url
         try:
             engine_url = sa.engine.make_url(url)
-        except sa.exc.ArgumentError as exc:
-            raise MetadataStoreError(f"invalid metadata URL {url!r}") from exc
-        is_sqlite = engine_url.get_backend_name() == "sqlite"
-        if is_sqlite and engine_url.database and engine_url.database != ":memory:":
+        except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a non-numeric port
+            raise ConfigError(f"invalid metadata URL {safe_url(url)}: {exc}") from exc
+        self._sqlite = engine_url.get_backend_name() == "sqlite"
+        if self._sqlite and engine_url.database and engine_url.database != ":memory:":
             path = engine_url.database
             if not create and not os.path.exists(path):
                 raise MetadataNotFoundError(f"no metadata store at {path}")
             if create:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
-            self.engine: Engine = sa.create_engine(url, future=True, pool_pre_ping=not is_sqlite)
-        except (sa.exc.ArgumentError, ImportError) as exc:
-            raise MetadataStoreError(f"cannot open metadata store {url!r}: {exc}") from exc
-        if is_sqlite:
+            self.engine: Engine = sa.create_engine(url, future=True, pool_pre_ping=not self._sqlite)
+        except (sa.exc.ArgumentError, ImportError) as exc:  # unknown dialect, missing driver
+            raise ConfigError(
+                f"cannot open metadata store {safe_url(url)}: {safe_text(str(exc), url)}"
+            ) from exc
+        if self._sqlite:
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         self._ensure_schema(create)
 
@@ -351,12 +452,15 @@ class MetadataStore:
         except StateBackendError:
             raise
         except sa.exc.SQLAlchemyError as exc:
-            raise MetadataStoreError(
-                f"metadata store {self._safe_url()} failed: {exc.__class__.__name__}: {exc}"
-            ) from exc
+            text = safe_text(f"{exc.__class__.__name__}: {exc}", self.url)
+            if self._sqlite and any(m in text for m in _SQLITE_DAMAGED):
+                raise MetadataCorruptError(
+                    f"metadata store {self._safe_url()} is damaged or not a database ({text})"
+                ) from exc
+            raise MetadataStoreError(f"metadata store {self._safe_url()} failed: {text}") from exc
 
     def _safe_url(self) -> str:
-        return sa.engine.make_url(self.url).render_as_string(hide_password=True)
+        return safe_url(self.url)
 
     def _ensure_schema(self, create: bool) -> None:
         with self._tx() as conn:
@@ -376,8 +480,10 @@ class MetadataStore:
             if current == SCHEMA_VERSION:
                 return
             if current == 0:
+                if not create and self._sqlite:  # the file is there, and not ours
+                    raise MetadataCorruptError(f"{self._safe_url()} is not a metadata store")
                 if not create:
-                    raise MetadataStoreError(f"{self._safe_url()} is not a metadata store")
+                    raise MetadataNotFoundError(f"{self._safe_url()} holds no metadata store")
                 create_schema(conn, SCHEMA_VERSION)
                 return
             # In place, in this one transaction (PostgreSQL and SQLite both have
@@ -559,18 +665,12 @@ class MetadataStore:
                 .order_by(subtask_states.c.operator, subtask_states.c.subtask)
             )
         )
-        return CompletedCheckpoint(
-            row.job_id,
-            int(row.checkpoint_id),
-            row.kind,
-            row.triggered_at,
-            row.completed_at,
-            subtasks,
-            json.loads(row.stats),
-        )
+        return _checkpoint_of(row, subtasks)
 
     def get(self, job_id: str | None, checkpoint_id: int) -> CompletedCheckpoint:
         """One checkpoint; :class:`CheckpointNotFoundError` if there is none with that id."""
+        if not 0 <= checkpoint_id <= MAX_ID:  # SQL's BIGINT: no such id can exist
+            raise CheckpointNotFoundError(f"checkpoint {checkpoint_id} does not exist")
         with self._tx() as conn:
             query = sa.select(checkpoints).where(checkpoints.c.checkpoint_id == checkpoint_id)
             if job_id is not None:
@@ -604,18 +704,7 @@ class MetadataStore:
             )
             if job_id is not None:
                 query = query.where(checkpoints.c.job_id == job_id)
-            return [
-                CompletedCheckpoint(
-                    r.job_id,
-                    int(r.checkpoint_id),
-                    r.kind,
-                    r.triggered_at,
-                    r.completed_at,
-                    (),
-                    json.loads(r.stats),
-                )
-                for r in conn.execute(query)
-            ]
+            return [_checkpoint_of(r, ()) for r in conn.execute(query)]
 
     def unreferenced(self, files: Sequence[str]) -> builtins.list[str]:
         """Those of ``files`` that no retained checkpoint or savepoint references."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from backends import localdirs
 from coordinator.channels import (
     BarrierMode,
     InputGate,
@@ -160,6 +161,10 @@ class EmbeddedRuntime:
 
     def _run(self, store: MetadataStore, restore: bool, restore_from: int | None) -> RunResult:
         p, o = self.pipeline, self.options
+        # RocksDB working directories of attempts that were killed: their locks are free
+        localdirs.reclaim()
+        if o.local_dir is not None:
+            localdirs.reclaim(o.local_dir, recursive=True)
         fileio = FileIO(o.store_url, o.storage_options)
         output_io = FileIO(p.sink.output_url, o.storage_options)
         attempt = store.start_attempt(p.job_id)

@@ -21,7 +21,9 @@ It lives in ``dstl`` because ``dstl`` is the bottom of the import graph.
     │   ├── CheckpointDeclinedError    a task declined; the checkpoint was aborted
     │   └── CheckpointTimeoutError     a checkpoint expired before all acks arrived
     ├── MetadataStoreError             the SQL metadata store failed or is unreachable
-    │   └── MetadataNotFoundError      there is no metadata store at that place
+    │   ├── MetadataNotFoundError      there is no metadata store at that place
+    │   └── MetadataCorruptError       its database or a record in it is damaged
+    │                                  (also a CorruptionError)
     └── JobFailedError                 the pipeline failed (tolerable failures exceeded, task error)
 """
 
@@ -110,6 +112,13 @@ class MetadataStoreError(StateBackendError):
 
 class MetadataNotFoundError(MetadataStoreError):
     """There is no metadata store at the given URL or path."""
+
+
+class MetadataCorruptError(MetadataStoreError, CorruptionError):
+    """The metadata store's database, or a record in it, is damaged or not ours.
+
+    Also a :class:`CorruptionError`, so every reader treats it as damaged data.
+    """
 
 
 class JobFailedError(StateBackendError):

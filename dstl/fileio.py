@@ -238,7 +238,11 @@ class FileIO:
             return int(self._fs.size(self._abs(path)))
 
     def list(self, prefix: str = "") -> list[FileInfo]:
-        """Every file below ``prefix`` (recursively), sorted by path; temp files excluded."""
+        """Every file below ``prefix`` (recursively), sorted by path.
+
+        Includes the temporary files of local writes in progress (``.<name>.<pid>-...tmp``):
+        a killed writer leaves them, and the orphan sweep reclaims them once they are old.
+        """
         base = self._abs(prefix)
         with _translated(self.url(prefix)):
             if not self._fs.exists(base):
@@ -246,7 +250,7 @@ class FileIO:
             found = self._fs.find(base, detail=True)
         out: list[FileInfo] = []
         for name, info in found.items():
-            if info.get("type") == "directory" or posixpath.basename(name).startswith("."):
+            if info.get("type") == "directory":
                 continue
             rel = name[len(self._root) :].lstrip("/") if name.startswith(self._root) else name
             mtime = info.get("mtime") or info.get("LastModified") or info.get("created")

@@ -11,6 +11,7 @@ hex so that a listing sorts in numeric order. Paths are relative to the store ro
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>.jsonl
     jobs/<job>/channel-state/<operator>/<subtask:04x>/<checkpoint:016x>.bin
     savepoints/<job>/<checkpoint:016x>/...
+    .../.<name>.<pid>-<nonce>-<n>.tmp                     (local stores: a write in progress)
 
 A shared state file stays where the materialization that first uploaded it put it; later
 materializations reference it there (no copy, no separate "shared" directory).
@@ -21,13 +22,45 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dstl.errors import ConfigError, CorruptionError
+
 _NAME = re.compile(r"^[A-Za-z0-9_.=-]+$")
 
 
 def check_name(kind: str, name: str) -> str:
-    """Validate one path component (job, operator, worker, state name)."""
-    if not _NAME.match(name) or name in (".", ".."):
-        raise ValueError(f"invalid {kind} name {name!r}: use letters, digits, '_', '.', '=', '-'")
+    """Validate one path component we write (job, operator, worker, state file name).
+
+    Raises :class:`~dstl.errors.ConfigError` (a ``ValueError``): the name came from the
+    job's own configuration or from a command line.
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise ConfigError(f"invalid {kind} name {name!r}: use letters, digits, '_', '.', '=', '-'")
+    return name
+
+
+MAX_NAME_CHARS = 200
+
+
+def plain_name(kind: str, name: object) -> str:
+    """``name`` if it is safe as one file-system path component, else CorruptionError.
+
+    For names read from a store (operators and jobs in the metadata, states in table
+    metadata, ``STATE-META.json`` or the log) before a tool joins them into an output
+    path: no separator, no ``..`` or ``.``, no NUL, no leading dot or ``~``, at most
+    :data:`MAX_NAME_CHARS` characters. A name the job itself could not have written is
+    corrupt metadata, never a path to follow.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > MAX_NAME_CHARS
+        or name.startswith((".", "~"))
+        or any(c in name for c in "/\\\x00")
+        or not name.isprintable()
+    ):
+        raise CorruptionError(
+            f"corrupt metadata: {kind} name {str(name)[:80]!r} is not a plain name"
+        )
     return name
 
 
@@ -102,6 +135,11 @@ def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int
         f"{job_prefix(job)}/channel-state/{check_name('operator', operator)}/"
         f"{subtask:04x}/{checkpoint_id:016x}.bin"
     )
+
+
+def savepoints_of(job: str) -> str:
+    """Everything the savepoints of a job hold lives below this prefix."""
+    return f"savepoints/{check_name('job', job)}"
 
 
 def savepoint_prefix(job: str, checkpoint_id: int) -> str:

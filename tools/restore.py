@@ -1,18 +1,34 @@
-"""Restore a checkpoint's keyed state into Parquet tables: plan, then execute.
+"""Restore or export a checkpoint's keyed state as Parquet tables: plan, then execute.
 
 :func:`plan_restore` is pure: it says which operators, handles and files a restore uses.
-:func:`check_plan` verifies every file exists before anything is written. :func:`execute`
-restores into a temporary directory next to the target and renames it into place at the
-end, so a failed restore leaves nothing half-written.
+:func:`check_plan` verifies that every file exists before anything is written.
+:func:`state_tables` restores each operator in memory (every file checked against its
+recorded size and hash; nothing of the store unpickled) and yields one typed Arrow table
+per state. Two writers put them somewhere:
+
+- :func:`write_local` (``statectl restore``): into a temporary directory next to the
+  target, renamed into place at the end, so a failed restore leaves nothing behind;
+- :func:`write_url` (``statectl export``): through a FileIO (a local directory or an S3
+  prefix), tables first and the ``_STATECTL.json`` marker last, so a reader that waits
+  for the marker never sees half an export.
+
+Both write ``<target>/<operator>/<state>.parquet``, refuse names from the store that are
+not plain (:func:`dstl.layout.plain_name`), refuse a target inside the store or holding it
+(:func:`check_target`), and replace an existing target only with ``force`` and only if it
+is empty or a previous output of theirs (it holds the marker): ``--force`` never deletes
+a directory that statectl did not write.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from backends.handles import KeyedStateHandle
@@ -24,6 +40,11 @@ from backends.tables import snapshot_tables
 from coordinator.metadata import CompletedCheckpoint
 from dstl.errors import ConfigError, StorageNotFoundError
 from dstl.fileio import FileIO
+from dstl.layout import plain_name
+
+MARKER = "_STATECTL.json"
+"""Written last into every restore or export output: what it holds, and proof that
+statectl wrote the directory (``--force`` replaces nothing else)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +55,7 @@ class RestorePlan:
     operators: dict[str, tuple[KeyedStateHandle, ...]]
     files: tuple[str, ...]
     output_dir: str
+    bytes_total: int = 0
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready summary (what ``--dry-run`` prints)."""
@@ -50,33 +72,41 @@ class RestorePlan:
                 for op, hs in self.operators.items()
             },
             "files": list(self.files),
+            "bytes": self.bytes_total,
         }
 
 
 def plan_restore(checkpoint: CompletedCheckpoint, output_dir: str) -> RestorePlan:
-    """The restore plan of every keyed operator in ``checkpoint``."""
+    """The restore plan of every keyed operator in ``checkpoint``.
+
+    Operator names come from the metadata store: one that is not a plain name is
+    corrupt metadata (:class:`~dstl.errors.CorruptionError`), never a path.
+    """
     operators: dict[str, list[KeyedStateHandle]] = {}
-    files: dict[str, None] = {}
+    files: dict[str, int] = {}
     for s in checkpoint.subtasks:
         for h in s.handles:
             if isinstance(h, KeyedStateHandle):
-                operators.setdefault(s.operator, []).append(h)
-                for f in h.files():
-                    files.setdefault(f)
+                operators.setdefault(plain_name("operator", s.operator), []).append(h)
+                for ref in h.file_refs():
+                    files.setdefault(ref.location, ref.size_bytes)
     return RestorePlan(
         checkpoint,
         {op: tuple(hs) for op, hs in sorted(operators.items())},
         tuple(files),
-        os.path.abspath(output_dir),
+        output_dir,
+        sum(files.values()),
     )
 
 
 def check_plan(plan: RestorePlan, fileio: FileIO) -> None:
     """Raise :class:`StorageNotFoundError` naming the first missing file."""
-    for url in plan.files:
-        if not fileio.exists(fileio.relative(url)):
+    for location in plan.files:
+        path = fileio.relative(location)
+        if not fileio.exists(path):
             raise StorageNotFoundError(
-                f"checkpoint {plan.checkpoint.checkpoint_id} references a missing file", url
+                f"checkpoint {plan.checkpoint.checkpoint_id} references a missing file",
+                fileio.url(path),
             )
 
 
@@ -93,27 +123,97 @@ def restore_operator(fileio: FileIO, handles: tuple[KeyedStateHandle, ...]) -> S
     return backend.snapshot()
 
 
-def execute(plan: RestorePlan, fileio: FileIO, force: bool = False) -> dict[str, dict[str, int]]:
-    """Write ``<output>/<operator>/<state>.parquet``; returns rows per operator and state."""
-    target = plan.output_dir
-    if os.path.exists(target) and not force:
-        raise ConfigError(f"{target} exists: pass --force to replace it")
+def state_tables(plan: RestorePlan, fileio: FileIO) -> Iterator[tuple[str, str, pa.Table]]:
+    """``(operator, state, table)`` for every state of every operator of ``plan``."""
+    for operator, handles in plan.operators.items():
+        snapshot = restore_operator(fileio, handles)
+        for meta, table in snapshot_tables(snapshot):
+            yield operator, plain_name("state", meta.name), table
+
+
+# -- targets ---------------------------------------------------------------------------
+def _local_root(url: str) -> str | None:
+    """The resolved local path of a ``file://`` (or plain path) URL, else None."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return os.path.realpath(url.removeprefix("file://"))
+
+
+def check_target(store_url: str, target: str) -> None:
+    """Refuse (:class:`ConfigError`) a target inside the store, the store itself, or a
+    directory that holds the store: writing or ``--force`` there would destroy it.
+
+    Local paths are compared resolved (``realpath``: symlinks followed, ``.`` and ``..``
+    gone); S3 targets by bucket and key prefix.
+    """
+    store_local, target_local = _local_root(store_url), _local_root(target)
+    if store_local is not None and target_local is not None:
+        a, b = store_local.rstrip("/") + "/", target_local.rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise ConfigError(
+                f"refusing to write into {target}: it is inside the store {store_url} "
+                "or holds it (writing there would destroy checkpoints)"
+            )
+        return
+    if store_local is None and target_local is None:
+        a = store_url.rstrip("/") + "/"
+        b = target.rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise ConfigError(f"refusing to write into {target}: it overlaps the store {store_url}")
+
+
+def _marker(plan: RestorePlan, counts: dict[str, dict[str, int]]) -> bytes:
+    return json.dumps(
+        {
+            "written_by": "statectl",
+            "job": plan.checkpoint.job_id,
+            "checkpoint": plan.checkpoint.checkpoint_id,
+            "kind": plan.checkpoint.kind,
+            "rows": counts,
+        },
+        indent=2,
+        sort_keys=True,
+    ).encode()
+
+
+def _parquet(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+def write_local(
+    plan: RestorePlan,
+    fileio: FileIO,
+    force: bool = False,
+    on_table: Callable[[str, str, int], None] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Write ``<output>/<operator>/<state>.parquet`` atomically; rows per operator and state.
+
+    Checks everything before the first byte: the target is not the store's, an existing
+    target is replaced only with ``force`` and only if statectl wrote it, every file
+    exists. ``on_table(operator, state, rows)`` is called after each table (progress).
+    """
+    target = os.path.abspath(plan.output_dir)
+    check_target(fileio.root_url, target)
+    replace = _check_replaceable(target, force)
     check_plan(plan, fileio)
-    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-    counts: dict[str, dict[str, int]] = {}
+    parent = os.path.dirname(target)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.tmp-{uuid.uuid4().hex[:8]}")
+    counts: dict[str, dict[str, int]] = {op: {} for op in plan.operators}
     try:
-        for operator, handles in plan.operators.items():
-            snapshot = restore_operator(fileio, handles)
-            os.makedirs(os.path.join(tmp, operator))
-            counts[operator] = {}
-            for meta, table in snapshot_tables(snapshot):
-                pq.write_table(
-                    table, os.path.join(tmp, operator, f"{meta.name}.parquet"), compression="zstd"
-                )
-                counts[operator][meta.name] = table.num_rows
-        os.makedirs(tmp, exist_ok=True)
-        if os.path.exists(target):
-            old = f"{target}.old-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+        for operator, state, table in state_tables(plan, fileio):
+            os.makedirs(os.path.join(tmp, operator), exist_ok=True)
+            with open(os.path.join(tmp, operator, f"{state}.parquet"), "xb") as fh:
+                fh.write(_parquet(table))
+            counts[operator][state] = table.num_rows
+            if on_table is not None:
+                on_table(operator, state, table.num_rows)
+        with open(os.path.join(tmp, MARKER), "xb") as fh:
+            fh.write(_marker(plan, counts))
+        if replace:
+            old = os.path.join(parent, f".{os.path.basename(target)}.old-{uuid.uuid4().hex[:8]}")
             os.rename(target, old)
             os.rename(tmp, target)
             shutil.rmtree(old)
@@ -122,4 +222,56 @@ def execute(plan: RestorePlan, fileio: FileIO, force: bool = False) -> dict[str,
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
+    return counts
+
+
+def _check_replaceable(target: str, force: bool) -> bool:
+    """Whether an existing ``target`` is to be replaced; ConfigError if it may not be."""
+    if not os.path.lexists(target):
+        return False
+    if not force:
+        raise ConfigError(f"{target} exists: pass --force to replace it")
+    if not os.path.isdir(target) or os.path.islink(target):
+        raise ConfigError(f"{target} is not a directory: refusing to replace it")
+    if os.listdir(target) and not os.path.isfile(os.path.join(target, MARKER)):
+        raise ConfigError(
+            f"{target} is not a statectl output (no {MARKER}): refusing to replace it"
+        )
+    return True
+
+
+def write_url(
+    plan: RestorePlan,
+    fileio: FileIO,
+    output: FileIO,
+    force: bool = False,
+    on_table: Callable[[str, str, int], None] | None = None,
+) -> dict[str, dict[str, int]]:
+    """Export to ``output`` (a local directory or an S3 prefix); rows per operator and state.
+
+    Tables are written first and :data:`MARKER` last. An existing output is replaced only
+    with ``force`` and only if it holds the marker (a previous export): its files are
+    deleted first, so an interrupted replace leaves no marker behind.
+    """
+    check_target(fileio.root_url, output.root_url)
+    existing = output.list("")
+    if existing:
+        if not force:
+            raise ConfigError(f"{output.root_url} is not empty: pass --force to replace it")
+        if not output.exists(MARKER):
+            raise ConfigError(
+                f"{output.root_url} is not a statectl output (no {MARKER}): refusing to replace it"
+            )
+    check_plan(plan, fileio)
+    if existing:
+        output.delete(MARKER)  # first: the old export is no longer complete
+        for info in existing:
+            output.delete(info.path)
+    counts: dict[str, dict[str, int]] = {op: {} for op in plan.operators}
+    for operator, state, table in state_tables(plan, fileio):
+        output.write_new(f"{operator}/{state}.parquet", _parquet(table))
+        counts[operator][state] = table.num_rows
+        if on_table is not None:
+            on_table(operator, state, table.num_rows)
+    output.write_new(MARKER, _marker(plan, counts))
     return counts

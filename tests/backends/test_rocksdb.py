@@ -77,10 +77,18 @@ def test_closed_backend_raises_our_error(factory: Factory) -> None:
     assert not os.path.exists(path)  # a backend-created directory is deleted
     with pytest.raises(LocalStoreError):
         b.snapshot()
+    given = factory.tmp_path / "given"
+    RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=str(given)).close()
+    assert not given.exists()  # created by the backend: deleted with it (no leak per attempt)
     used = factory.tmp_path / "used"
-    RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=str(used)).close()
+    (used / "db").mkdir(parents=True)  # somebody's database
     with pytest.raises(LocalStoreError, match="fresh"):
         RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=str(used))
+    assert (used / "db").is_dir()  # not ours: left alone
+    live = RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR)
+    with pytest.raises(LocalStoreError, match="cannot take"):  # its lock is held
+        RocksDBKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR, path=live.path)
+    live.close()
 
 
 def test_sst_restore_schema_mismatch_names_the_state(factory: Factory) -> None:

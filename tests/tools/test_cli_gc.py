@@ -12,7 +12,7 @@ import pytest
 from coordinator.checkpoint import CheckpointOptions
 from coordinator.metadata import MetadataStore
 from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
-from tools.cli import EXIT_OK, EXIT_REFUSED, main
+from tools.cli import EXIT_OK, EXIT_USAGE, main
 from tools.demo_job import DemoConfig, pipeline
 
 
@@ -67,6 +67,13 @@ def test_delete_with_min_age_zero_keeps_every_referenced_file(
     assert json.loads(capsys.readouterr().out)["jobs"][0]["orphans"] == []
 
 
-def test_negative_min_age_is_refused(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["gc", "--store", str(store), "--min-age-s", "-1"]) == EXIT_REFUSED
-    assert "min-age-s" in capsys.readouterr().err
+@pytest.mark.parametrize("age", ["-1", "nan", "inf", "-inf", "1e999", "soon"])
+def test_an_age_that_is_not_finite_and_non_negative_is_refused(
+    store: Path, capsys: pytest.CaptureFixture[str], age: str
+) -> None:
+    """Regression: ``--min-age-s nan`` made every file old enough to delete."""
+    before = sorted(p for p in store.rglob("*") if p.is_file())
+    assert main(["gc", "--store", str(store), "--min-age-s", age, "--delete"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "min-age-s" in err and err.count("\n") == 1
+    assert sorted(p for p in store.rglob("*") if p.is_file()) == before
