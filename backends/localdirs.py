@@ -14,6 +14,7 @@ than ``min_age_s`` (a day by default), the orphan sweep's safety age.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -140,4 +141,7 @@ def reclaim(
                 shutil.rmtree(path, ignore_errors=True)
                 log.info("reclaimed local working directory path=%s", path)
                 found.append(path)
+        if candidates != [entry.path]:
+            with contextlib.suppress(OSError):  # a job's directory, once nothing is left in it
+                os.rmdir(entry.path)
     return found

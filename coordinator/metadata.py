@@ -336,13 +336,7 @@ def safe_url(url: str) -> str:
     try:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
-        masked = re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
-        return re.sub(
-            r"([?&][^=&]*(?:pass|secret|token|credential|key)[^=&]*=)[^&]*",
-            r"\1***",
-            masked,
-            flags=re.IGNORECASE,
-        )
+        return "<an unparsable URL>"  # no telling which part of it is a secret
     query = {k: ("***" if _SECRET_KEYS.search(k) else v) for k, v in parsed.query.items()}
     if parsed.password is not None:
         parsed = parsed.set(password="***")
@@ -354,13 +348,7 @@ def url_secrets(url: str) -> list[str]:
     try:
         parsed = sa.engine.make_url(url)
     except (sa.exc.ArgumentError, ValueError):
-        found = re.findall(r"://[^:/@]*:([^@]*)@", url)
-        found += re.findall(
-            r"[?&][^=&]*(?:pass|secret|token|credential|key)[^=&]*=([^&]*)",
-            url,
-            flags=re.IGNORECASE,
-        )
-        return [s for s in found if s]
+        return [url]  # unparsable: all of it may be a secret
     secrets = [str(v) for k, v in parsed.query.items() if _SECRET_KEYS.search(k)]
     if parsed.password:
         secrets.append(str(parsed.password))

@@ -24,6 +24,7 @@ masked; a closed output pipe (``statectl ... | head``) ends the command quietly 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -40,6 +41,7 @@ from dstl.errors import (
     MetadataNotFoundError,
     SchemaMismatchError,
     StateBackendError,
+    StorageError,
     StorageNotFoundError,
 )
 from tools.cli import checkpoints, maintain, state
@@ -89,7 +91,24 @@ def build_parser() -> Parser:
     return parser
 
 
+_LOCAL_IO = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EFBIG,
+        errno.ENOTDIR,
+        errno.EISDIR,
+    }
+)
+
+
 def _exit_code(exc: BaseException) -> int:
+    cause = exc.__cause__
+    if isinstance(exc, StorageError) and isinstance(cause, OSError) and cause.errno in _LOCAL_IO:
+        return EXIT_IO  # a local target (export -o DIR) that cannot be written
     if isinstance(exc, CheckpointNotFoundError | StorageNotFoundError | MetadataNotFoundError):
         return EXIT_NOT_FOUND
     if isinstance(exc, CorruptionError | SchemaMismatchError):
