@@ -8,10 +8,12 @@ file raises before the backend is touched (then it is discarded by the caller an
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +32,8 @@ from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
+
+log = logging.getLogger(__name__)
 
 Decoded = list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]]
 
@@ -242,14 +246,27 @@ def restore_into(
     # rescale, several handles reference the same old files).
     for h in relevant(handles, backend.key_group_range):
         rng = _intersect(backend.key_group_range, h.key_group_range)
+        started = time.perf_counter()
         for m in h.materialized:
             _load_materialization(backend, fileio, m, rng)
+        loaded = time.perf_counter()
         by_writer: dict[str, list[ChangelogHandle]] = {}
         for c in h.changelog:
             by_writer.setdefault(c.writer_id, []).append(c)
+        changes = 0
         for writer_id, logs in by_writer.items():
             for table in read_changes(fileio, logs, h.replay_from(writer_id), (rng.start, rng.end)):
+                changes += table.num_rows
                 _replay_table(backend, table, logs[0].location)
+        log.info(
+            "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f",
+            h.backend_id,
+            rng.start,
+            rng.end,
+            (loaded - started) * 1e3,
+            changes,
+            (time.perf_counter() - loaded) * 1e3,
+        )
 
 
 def _intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:

@@ -311,7 +311,8 @@ class Materializer:
         with self._lock:
             self.last_stats = stats
         log.info(
-            "materialized writer=%s id=%d sqn=%d files_new=%d files_shared=%d bytes_new=%d bytes_total=%d",
+            "materialized writer=%s id=%d sqn=%d files_new=%d files_shared=%d bytes_new=%d "
+            "bytes_total=%d duration_ms=%.1f sync_ms=%.1f",
             handle.writer_id,
             mat_id,
             handle.sqn,
@@ -319,6 +320,8 @@ class Materializer:
             stats.files_shared,
             stats.bytes_new,
             stats.bytes_total,
+            stats.duration_s * 1e3,
+            stats.sync_duration_s * 1e3,
         )
         return MaterializationResult(handle, tuple(new), stats)
 
