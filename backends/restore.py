@@ -26,7 +26,7 @@ from backends.keygroups import KeyGroupRange
 from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
 from backends.serializers import Serializer, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
-from backends.tables import parquet_to_table, table_entries, table_meta
+from backends.tables import Runs, parquet_to_table, table_entries, table_meta
 from backends.wrappers import alive
 from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
@@ -35,7 +35,7 @@ from dstl.handles import ChangelogHandle
 
 log = logging.getLogger(__name__)
 
-Decoded = list[tuple[StateMeta, tuple[list[int], list[Any], list[Any]]]]
+Decoded = list[tuple[StateMeta, Runs]]
 
 
 def relevant(
@@ -146,24 +146,22 @@ def _load_materialization(
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
     decoded = decoder(backend, fileio, handle, key_groups)
     now = backend.clock()
-    for meta, (kgs, keys, values) in decoded:
+    for meta, runs in decoded:
         known = backend.state_metas().get(meta.name)
         if known is not None:
             known.check_compatible(meta)
         if meta.ttl is not None:  # expired entries are not restored
-            kept = [
-                (
-                    kg,
-                    k,
-                    alive(
-                        v, meta.kind is StateKind.LIST, meta.kind in MAP_LIKE, meta.ttl.ttl_ms, now
-                    ),
-                )
-                for kg, k, v in zip(kgs, keys, values, strict=True)
-            ]
-            kept = [e for e in kept if e[2] is not None]
-            kgs, keys, values = [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept]
-        backend.load_entries(meta, kgs, keys, values, key_groups)
+            runs = [_alive_run(meta, meta.ttl.ttl_ms, now, run) for run in runs]
+        backend.load_entries(meta, runs, key_groups)
+
+
+def _alive_run(
+    meta: StateMeta, ttl_ms: int, now: int, run: tuple[int, list[Any], list[Any]]
+) -> tuple[int, list[Any], list[Any]]:
+    kg, keys, values = run
+    is_list, is_map = meta.kind is StateKind.LIST, meta.kind in MAP_LIKE
+    kept = [(k, alive(v, is_list, is_map, ttl_ms, now)) for k, v in zip(keys, values, strict=True)]
+    return kg, [k for k, v in kept if v is not None], [v for _, v in kept if v is not None]
 
 
 def _replay_table(backend: KeyedStateBackend, table: pa.Table, location: str) -> None:
