@@ -270,9 +270,10 @@ class Materializer:
                     path = layout.state_file_path(directory, f.name)
                     if len(writes) >= _IN_FLIGHT:  # bounded memory: wait for an older write
                         writes[-_IN_FLIGHT][1].result()
-                    writes.append(
-                        (self.fileio.url(path), pool.submit(self.fileio.write_new, path, data))
-                    )
+                    fut = pool.submit(self.fileio.write_new, path, data)
+                    writes.append((self.fileio.url(path), fut))
+                    if len(writes) == 1:  # it makes the directory: the others must not race it
+                        fut.result()
                     new_bytes += len(data)
                     files.append(
                         StateFileHandle(
