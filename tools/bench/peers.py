@@ -138,9 +138,12 @@ class _FlinkJob:
         self.out.close()
 
 
-def _source_records(job: dict[str, Any]) -> int:
-    source = min(job["vertices"], key=lambda v: v["name"].find("ource") < 0)
-    return int(source["metrics"].get("write-records", 0))
+def _source_records(job: dict[str, Any]) -> int | None:
+    """Records the source vertex wrote; None while the job has no vertices yet."""
+    sources = [v for v in job.get("vertices", []) if "ource" in v.get("name", "")]
+    if not sources:
+        return None
+    return int(sources[0].get("metrics", {}).get("write-records", 0))
 
 
 def _wait(predicate: Any, timeout: float, step: float = 0.5) -> Any:
@@ -199,8 +202,9 @@ def flink_case(
             details: dict[str, Any] | None = None
             while time.monotonic() < deadline:
                 details = job.job()
-                if details is not None:
-                    samples.append((time.monotonic(), _source_records(details)))
+                written = None if details is None else _source_records(details)
+                if written is not None:
+                    samples.append((time.monotonic(), written))
                 if loaded_at is None and samples and samples[-1][1] >= load_target:
                     loaded_at = samples[-1][0]
                 if loaded_at is not None and time.monotonic() - loaded_at >= seconds:
