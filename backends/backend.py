@@ -7,7 +7,7 @@ work against this Protocol, so a new store inherits them (and the contract tests
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from backends.batch import PreparedBatch
@@ -70,12 +70,11 @@ class KeyedStateBackend(Protocol):
     def load_entries(
         self,
         meta: StateMeta,
-        key_groups: Sequence[int],
-        keys: Sequence[Any],
-        values: Sequence[Any],
+        runs: Iterable[tuple[int, list[Any], list[Any]]],
         only: KeyGroupRange | None = None,
     ) -> None:
-        """Bulk-insert raw entries (values, lists or dicts), skipping groups not in ``only``."""
+        """Bulk-insert raw entries (values, lists or dicts), one ``(key_group, keys,
+        values)`` run per key group, skipping groups not in ``only``."""
         ...
 
     def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:

@@ -11,7 +11,7 @@ Python list, map and timer state a dict; with TTL every value/element/entry is
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,34 +60,10 @@ class StateSnapshot:
         return "heap-parquet"
 
     def files(self) -> Iterator[SnapshotFile]:
-        """Parquet bytes per state and key-group chunk; every state has at least one file."""
-        from backends.tables import table_for, table_to_parquet  # tables imports this module
+        """Parquet bytes per state and chunk of ``KEY_GROUPS_PER_FILE`` key groups."""
+        from backends.tables import state_files  # tables imports this module
 
-        rng = self.key_group_range
-        for name, meta in sorted(self.metas.items()):
-            table = self.tables.get(name, {})
-            wrote = False
-            for start in range(
-                rng.start - rng.start % KEY_GROUPS_PER_FILE, rng.end, KEY_GROUPS_PER_FILE
-            ):
-                lo, hi = max(start, rng.start), min(start + KEY_GROUPS_PER_FILE, rng.end)
-                if not any(kg in table for kg in range(lo, hi)):
-                    continue
-                arrow = table_for(meta, self.key_serializer, table, range(lo, hi))
-                wrote = True
-                yield SnapshotFile(
-                    f"{name}.kg{lo:04x}-{hi:04x}.parquet",
-                    name,
-                    lo,
-                    hi,
-                    arrow.num_rows,
-                    table_to_parquet(arrow),
-                )
-            if not wrote:  # an empty state still records its metadata
-                arrow = table_for(meta, self.key_serializer, {})
-                yield SnapshotFile(
-                    f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
-                )
+        return state_files(self, None)
 
     def release(self) -> None:
         """Nothing to free: the copy lives in memory."""
@@ -334,21 +310,24 @@ class HeapKeyedStateBackend(KeyContext):
     def load_entries(
         self,
         meta: StateMeta,
-        key_groups: Sequence[int],
-        keys: Sequence[Any],
-        values: Sequence[Any],
+        runs: Iterable[tuple[int, list[Any], list[Any]]],
         only: KeyGroupRange | None = None,
     ) -> None:
-        """Bulk-insert raw entries (restore from a materialized table).
+        """Bulk-insert raw entries, one ``(key_group, keys, values)`` run per key group
+        (restore from a materialized table): one ``dict.update`` per run.
 
         ``values`` are values (value-like state), lists (list state) or dicts (map and
-        timer state). Entries outside ``only`` (default: this backend's range) are skipped.
+        timer state). Runs outside ``only`` (default: this backend's range) are skipped.
         """
         table = self._register(meta)
         rng = only if only is not None else self.key_group_range
-        for kg, key, value in zip(key_groups, keys, values, strict=True):
-            if kg in rng:
-                table.setdefault(kg, {})[key] = value
+        for kg, keys, values in runs:
+            if kg in rng and keys:
+                m = table.get(kg)
+                if m is None:
+                    table[kg] = dict(zip(keys, values, strict=True))
+                else:
+                    m.update(zip(keys, values, strict=True))
 
     def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:
         """``(key_group, key, raw value)`` of state ``name`` (a copy of the key list)."""

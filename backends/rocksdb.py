@@ -23,7 +23,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,10 +123,11 @@ def iter_rows(db: Any, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
 
 def decode_state_rows(
     meta: StateMeta, key_ser: Serializer, rows: Iterable[tuple[bytes, bytes]]
-) -> tuple[list[int], list[Any], list[Any]]:
-    """(key groups, keys, raw values) of one state's rows, in key order."""
+) -> list[tuple[int, list[Any], list[Any]]]:
+    """One ``(key group, keys, raw values)`` run per key group of one state's rows, in
+    key order."""
     vser = meta.raw_value_ser()
-    kgs: list[int] = []
+    runs: list[tuple[int, list[Any], list[Any]]] = []
     keys: list[Any] = []
     values: list[Any] = []
     kind = meta.kind
@@ -135,23 +136,25 @@ def decode_state_rows(
     last_kg = -1
     for k, v in rows:
         kg = (k[0] << 8) | k[1]
+        if kg != last_kg:
+            keys, values = [], []
+            runs.append((kg, keys, values))
+            last_kg, last_kb = kg, None
         (klen,) = _LEN.unpack_from(k, 4)
         kb = k[8 : 8 + klen]
         if uks is not None:
-            if kb != last_kb or kg != last_kg:
-                kgs.append(kg)
+            if kb != last_kb:
                 keys.append(key_ser.deserialize(kb))
                 values.append({})
-                last_kb, last_kg = kb, kg
+                last_kb = kb
             values[-1][uks.deserialize(k[8 + klen :])] = vser.deserialize(v)
             continue
-        kgs.append(kg)
         keys.append(key_ser.deserialize(kb))
         if kind is StateKind.LIST:
             values.append([vser.deserialize(e) for e in unpack_list(v)])
         else:
             values.append(vser.deserialize(v))
-    return kgs, keys, values
+    return runs
 
 
 class _RocksValueState:
@@ -529,10 +532,9 @@ class RocksDBKeyedStateBackend:
         if meta is None:
             return
         for kg in self.key_group_range:
-            kgs, keys, values = decode_state_rows(
-                meta, self.key_serializer, list(self._state_rows(name, kg))
-            )
-            yield from zip(kgs, keys, values, strict=True)
+            rows = list(self._state_rows(name, kg))
+            for group, keys, values in decode_state_rows(meta, self.key_serializer, rows):
+                yield from ((group, k, v) for k, v in zip(keys, values, strict=True))
 
     def entry_count(self) -> int:
         """An estimate of the number of rows (RocksDB's ``estimate-num-keys``)."""
@@ -543,12 +545,11 @@ class RocksDBKeyedStateBackend:
     def load_entries(
         self,
         meta: StateMeta,
-        key_groups: Sequence[int],
-        keys: Sequence[Any],
-        values: Sequence[Any],
+        runs: Iterable[tuple[int, list[Any], list[Any]]],
         only: KeyGroupRange | None = None,
     ) -> None:
-        """Bulk-insert raw entries with one write batch; groups outside ``only`` skipped."""
+        """Bulk-insert raw entries (``(key_group, keys, values)`` runs) with one write
+        batch; groups outside ``only`` skipped."""
         sid = self._register(meta).to_bytes(2, "big")
         rng = only if only is not None else self.key_group_range
         vser = meta.raw_value_ser()
@@ -556,9 +557,12 @@ class RocksDBKeyedStateBackend:
         wb = rocksdict.WriteBatch(raw_mode=True)
         is_list, is_map = meta.kind is StateKind.LIST, meta.kind in MAP_LIKE
         uks = meta.user_key_ser().serialize if is_map else None
-        for kg, key, value in zip(key_groups, keys, values, strict=True):
-            if kg not in rng:
-                continue
+        for kg, key, value in (
+            (kg, k, v)
+            for kg, keys, values in runs
+            if kg in rng
+            for k, v in zip(keys, values, strict=True)
+        ):
             kb = kser(key)
             row = self._kg_bytes[kg] + sid + _LEN.pack(len(kb)) + kb
             if uks is not None:

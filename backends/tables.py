@@ -11,6 +11,18 @@ With TTL, ``<value type>`` is ``struct<ts int64, value T>`` (the last-access tim
 
 The schema metadata ``state.meta`` holds the :class:`~backends.state.StateMeta` JSON and
 ``state.key`` the key serializer's name, so a table is self-describing.
+
+Materialized pieces (:func:`state_files`): every state table is cut along key groups
+into pieces of ``span`` consecutive key groups, ``span`` a power of two aligned in
+absolute key-group numbers, chosen so a piece holds about ``piece_rows`` keys. A piece's
+rows are sorted by (key group, key[, user key]) in Arrow, so its bytes depend only on
+its content (deterministic Parquet): a piece no key of which changed comes out
+byte-identical and is shared with the previous materialization. ``span`` only changes
+when a state's size crosses a power of two, and then once. No Python call per key: the
+dicts become Arrow columns through ``pa.array`` and the sort runs in Arrow, one key
+group range at a time (so the upload thread never holds the GIL for long). Past
+``piece_rows`` keys per key group, a piece is one key group: pieces then grow with the
+state (raise the maximum parallelism for states of many millions of keys per subtask).
 """
 
 from __future__ import annotations
@@ -20,16 +32,26 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from backends.heap import StateSnapshot, Table
+from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
 from backends.serializers import Serializer, serializer_for
+from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, StateKind, StateMeta
 from dstl.errors import CorruptionError
 from dstl.segment import DICTIONARY_PAGE_BYTES
 
 META_KEY = b"state.meta"
 KEY_SERIALIZER_KEY = b"state.key"
+
+DEFAULT_PIECE_ROWS = 8192
+"""Keys per materialized piece: a piece's Parquet footer and its file write (an fsync
+on local disk) stay small next to its rows, and a state of 1M keys per subtask is about
+one piece per key group."""
+
+Runs = list[tuple[int, list[Any], list[Any]]]
+"""Entries grouped by key group: ``(key_group, keys, raw values)``, one run per group."""
 
 
 def schema_for(meta: StateMeta, key_serializer: Serializer) -> pa.Schema:
@@ -56,12 +78,32 @@ def table_for(
     meta: StateMeta, key_serializer: Serializer, table: Table, key_groups: range | None = None
 ) -> pa.Table:
     """The Arrow table of one state's raw entries (optionally only some key groups)."""
+    groups = sorted(table) if key_groups is None else [kg for kg in key_groups if kg in table]
+    schema = schema_for(meta, key_serializer)
+    if meta.kind in MAP_LIKE or meta.kind is StateKind.LIST:
+        return _nested_table(meta, key_serializer, table, groups, schema)
+    value = meta.raw_value_ser()
+    # Value-like state: whole key groups at a time, no Python loop over the entries.
+    parts = [table[kg] for kg in groups]
+    kgs = pa.concat_arrays(
+        [pa.repeat(pa.scalar(kg, pa.int32()), len(m)) for kg, m in zip(groups, parts, strict=True)]
+        or [pa.array([], pa.int32())]
+    )
+    keys = [k for m in parts for k in m] if len(parts) != 1 else list(parts[0])
+    values = [v for m in parts for v in m.values()] if len(parts) != 1 else list(parts[0].values())
+    columns = [kgs, key_serializer.to_arrow(keys), value.to_arrow(values)]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _nested_table(
+    meta: StateMeta, key_serializer: Serializer, table: Table, groups: list[int], schema: pa.Schema
+) -> pa.Table:
+    """List and map state: an element or entry per row (a Python loop over them)."""
     value = meta.raw_value_ser()
     kgs: list[int] = []
     keys: list[Any] = []
     values: list[Any] = []
     user_keys: list[Any] = []
-    groups = sorted(table) if key_groups is None else [kg for kg in key_groups if kg in table]
     for kg in groups:
         entries = table[kg]
         if meta.kind in MAP_LIKE:
@@ -75,7 +117,6 @@ def table_for(
             kgs.extend([kg] * len(entries))
             keys.extend(entries.keys())
             values.extend(entries.values())
-    schema = schema_for(meta, key_serializer)
     columns: list[pa.Array] = [pa.array(kgs, pa.int32()), key_serializer.to_arrow(keys)]
     if meta.kind is StateKind.LIST:
         flat = [x for lst in values for x in lst]
@@ -85,12 +126,69 @@ def table_for(
         columns.append(
             pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), value.to_arrow(flat))
         )
-    elif meta.kind in MAP_LIKE:
+    else:
         columns.append(meta.user_key_ser().to_arrow(user_keys))
         columns.append(value.to_arrow(values))
-    else:
-        columns.append(value.to_arrow(values))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def piece_span(keys: int, key_groups: int, piece_rows: int | None) -> int:
+    """Key groups per piece: the largest power of two whose piece holds at most
+    ``piece_rows`` keys on average (``None``: the fixed ``KEY_GROUPS_PER_FILE``)."""
+    if piece_rows is None:
+        return KEY_GROUPS_PER_FILE
+    if piece_rows < 1:
+        raise ValueError("piece_rows must be >= 1")
+    per_group = keys / max(key_groups, 1)
+    span = 1
+    while span < key_groups and per_group * span * 2 <= piece_rows:
+        span *= 2
+    return span
+
+
+def sorted_table(
+    meta: StateMeta, key_serializer: Serializer, table: Table, key_groups: range
+) -> pa.Table:
+    """The Arrow table of ``key_groups`` of one state, rows in (key group, key[, user
+    key]) order: the same rows give the same bytes whatever the dicts' insertion order."""
+    arrow = table_for(meta, key_serializer, table, key_groups)
+    order = [("key_group", "ascending"), ("key", "ascending")]
+    if meta.kind in MAP_LIKE:
+        order.append(("user_key", "ascending"))
+    return arrow.take(pc.sort_indices(arrow, sort_keys=order))
+
+
+def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[SnapshotFile]:
+    """The pieces of every state of ``snapshot`` (see the module docstring).
+
+    CPU work: call it on the upload thread. Every state yields at least one file (an
+    empty state records its metadata).
+    """
+    rng = snapshot.key_group_range
+    key_ser = snapshot.key_serializer
+    for name, meta in sorted(snapshot.metas.items()):
+        table = snapshot.tables.get(name, {})
+        keys = sum(len(m) for kg, m in table.items() if kg in rng)
+        if not keys:
+            arrow = table_for(meta, key_ser, {})
+            yield SnapshotFile(
+                f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
+            )
+            continue
+        span = piece_span(keys, len(rng), piece_rows)
+        for start in range(rng.start - rng.start % span, rng.end, span):
+            lo, hi = max(start, rng.start), min(start + span, rng.end)
+            if not any(table.get(kg) for kg in range(lo, hi)):
+                continue
+            arrow = sorted_table(meta, key_ser, table, range(lo, hi))
+            yield SnapshotFile(
+                f"{name}.kg{lo:04x}-{hi:04x}.parquet",
+                name,
+                lo,
+                hi,
+                arrow.num_rows,
+                table_to_parquet(arrow),
+            )
 
 
 def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Table]]:
@@ -128,23 +226,39 @@ def table_meta(table: pa.Table, location: str) -> tuple[StateMeta, Serializer]:
     return StateMeta.from_json(md[META_KEY]), serializer_for(md[KEY_SERIALIZER_KEY].decode())
 
 
-def table_entries(
-    meta: StateMeta, key_serializer: Serializer, table: pa.Table
-) -> tuple[list[int], list[Any], list[Any]]:
-    """(key groups, keys, values) of a table; map rows are folded into one dict per key."""
-    kgs: list[int] = table["key_group"].to_pylist()
-    keys = key_serializer.from_arrow(table["key"])
+def table_entries(meta: StateMeta, key_serializer: Serializer, table: pa.Table) -> Runs:
+    """The entries of a state table as runs per key group; map rows fold into one dict
+    per key. Conversions are Arrow's (``to_pylist``), one slice per run of equal key
+    groups (tables are written sorted by key group; any order still loads)."""
+    if table.num_rows == 0:
+        return []
+    groups = pc.run_end_encode(table["key_group"].combine_chunks())
+    runs: Runs = []
+    start = 0
+    for kg, end in zip(groups.values.to_pylist(), groups.run_ends.to_pylist(), strict=True):
+        part = table.slice(start, end - start)
+        start = end
+        keys, values = _part_entries(meta, key_serializer, part)
+        runs.append((kg, keys, values))
+    return runs
+
+
+def _part_entries(
+    meta: StateMeta, key_serializer: Serializer, part: pa.Table
+) -> tuple[list[Any], list[Any]]:
+    keys = key_serializer.from_arrow(part["key"])
     value = meta.raw_value_ser()
     if meta.kind not in MAP_LIKE and meta.kind is not StateKind.LIST:
-        return kgs, keys, value.from_arrow(table["value"])
+        return keys, value.from_arrow(part["value"])
     if meta.kind is StateKind.LIST:
-        col = table["value"].combine_chunks()
+        col = part["value"].combine_chunks()
         flat = value.from_arrow(col.flatten())
         offsets = col.offsets.to_pylist()
-        return kgs, keys, [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
-    user_keys = meta.user_key_ser().from_arrow(table["user_key"])
-    values = value.from_arrow(table["value"])
-    folded: dict[tuple[int, Any], dict[Any, Any]] = {}
-    for kg, key, uk, v in zip(kgs, keys, user_keys, values, strict=True):
-        folded.setdefault((kg, key), {})[uk] = v
-    return [kg for kg, _ in folded], [k for _, k in folded], list(folded.values())
+        first = offsets[0]
+        return keys, [flat[offsets[i] - first : offsets[i + 1] - first] for i in range(len(keys))]
+    user_keys = meta.user_key_ser().from_arrow(part["user_key"])
+    values = value.from_arrow(part["value"])
+    folded: dict[Any, dict[Any, Any]] = {}
+    for key, uk, v in zip(keys, user_keys, values, strict=True):
+        folded.setdefault(key, {})[uk] = v
+    return list(folded), list(folded.values())

@@ -203,8 +203,8 @@ class FileIO:
         try:
             write_new(directory, tmp, name, data)
         except FileNotFoundError:
-            if os.path.isdir(directory):
-                raise
+            # The directory is missing (made only when a write finds it so): make it and
+            # try once more. exist_ok: writers on other threads may race to make it.
             os.makedirs(directory, exist_ok=True)
             write_new(directory, tmp, name, data)
 

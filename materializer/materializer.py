@@ -48,22 +48,26 @@ import posixpath
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
 from backends.handles import MaterializationHandle, StateFileHandle, file_id_of
+from backends.heap import StateSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
+from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash
 from materializer.errors import MaterializationError
-from materializer.heap_layout import DEFAULT_PIECE_ROWS, snapshot_files
 
 log = logging.getLogger(__name__)
 
 _READ_CHUNK = 1 << 20
+_WRITERS = 4  # concurrent file writes of one materialization
+_IN_FLIGHT = 16  # files encoded and not yet written, at most
 
 
 class MaterializationSource(Protocol):
@@ -99,8 +103,9 @@ class MaterializationSource(Protocol):
 class MaterializerOptions:
     """How state files are cut.
 
-    ``heap_piece_rows``: expected rows per content-defined piece of a heap state table
-    (``materializer.heap.piece-rows``); ``None`` uploads the backend's own files.
+    ``heap_piece_rows``: about how many keys a piece of a heap state table holds (pieces
+    are aligned key-group ranges, see :mod:`backends.tables`;
+    ``materializer.heap.piece-rows``); ``None``: fixed 16-key-group pieces.
     """
 
     heap_piece_rows: int | None = DEFAULT_PIECE_ROWS
@@ -240,18 +245,40 @@ class Materializer:
             self.job, self.operator, self.subtask, mat_id, uuid.uuid4().hex[:8]
         )
         files: list[StateFileHandle] = []
-        new: list[str] = []
+        writes: list[tuple[str, Future[None]]] = []  # new files, in order
         new_bytes = 0
-        try:
-            if snapshot.sqn is None:
-                raise MaterializationError("a materialization snapshot needs a changelog sqn")
-            for f in snapshot_files(snapshot, self.options.heap_piece_rows):
-                data, file_id = _content(f)
-                hit = shareable.get(share_key(f.name, file_id))
-                if hit is not None:
+        # Writes run on a few threads (a local write waits for fsync, an S3 PUT for the
+        # network; both release the GIL) while this thread encodes the next piece.
+        with ThreadPoolExecutor(_WRITERS, thread_name_prefix="materialize-write") as pool:
+            try:
+                if snapshot.sqn is None:
+                    raise MaterializationError("a materialization snapshot needs a changelog sqn")
+                for f in snapshot_files(snapshot, self.options.heap_piece_rows):
+                    data, file_id = _content(f)
+                    hit = shareable.get(share_key(f.name, file_id))
+                    if hit is not None:
+                        files.append(
+                            dataclasses.replace(
+                                hit,
+                                state=f.state,
+                                key_group_start=f.key_group_start,
+                                key_group_end=f.key_group_end,
+                                rows=f.rows,
+                                name=f.name,
+                            )
+                        )
+                        continue
+                    path = layout.state_file_path(directory, f.name)
+                    if len(writes) >= _IN_FLIGHT:  # bounded memory: wait for an older write
+                        writes[-_IN_FLIGHT][1].result()
+                    fut = pool.submit(self.fileio.write_new, path, data)
+                    writes.append((path, fut))
+                    new_bytes += len(data)
                     files.append(
-                        dataclasses.replace(
-                            hit,
+                        StateFileHandle(
+                            location=path,
+                            size_bytes=len(data),
+                            file_id=file_id,
                             state=f.state,
                             key_group_start=f.key_group_start,
                             key_group_end=f.key_group_end,
@@ -259,35 +286,22 @@ class Materializer:
                             name=f.name,
                         )
                     )
-                    continue
-                path = layout.state_file_path(directory, f.name)
-                # On UnknownOutcomeError this file may exist: it is not in ``new``, so the
-                # cleanup below leaves it for the orphan sweep.
-                self.fileio.write_new(path, data)
-                new.append(path)
-                new_bytes += len(data)
-                files.append(
-                    StateFileHandle(
-                        location=path,
-                        size_bytes=len(data),
-                        file_id=file_id,
-                        state=f.state,
-                        key_group_start=f.key_group_start,
-                        key_group_end=f.key_group_end,
-                        rows=f.rows,
-                        name=f.name,
-                    )
-                )
-        except Exception as exc:
-            self._delete(new)
-            if isinstance(exc, MaterializationError):
-                raise
-            raise MaterializationError(
-                f"materialization {mat_id} of {self.backend.backend_id} failed: "
-                f"{exc.__class__.__name__}: {exc}"
-            ) from exc
-        finally:
-            snapshot.release()
+                for _, fut in writes:
+                    fut.result()
+            except Exception as exc:
+                wait([fut for _, fut in writes])
+                # A write that ended in UnknownOutcomeError may have landed: not deleted
+                # here, left for the orphan sweep.
+                self._delete([url for url, fut in writes if fut.exception() is None])
+                if isinstance(exc, MaterializationError):
+                    raise
+                raise MaterializationError(
+                    f"materialization {mat_id} of {self.backend.backend_id} failed: "
+                    f"{exc.__class__.__name__}: {exc}"
+                ) from exc
+            finally:
+                snapshot.release()
+        new = [url for url, _ in writes]
         assert snapshot.sqn is not None
         rng = snapshot.key_group_range
         handle = MaterializationHandle(
@@ -312,7 +326,8 @@ class Materializer:
         with self._lock:
             self.last_stats = stats
         log.info(
-            "materialized writer=%s id=%d sqn=%d files_new=%d files_shared=%d bytes_new=%d bytes_total=%d",
+            "materialized writer=%s id=%d sqn=%d files_new=%d files_shared=%d bytes_new=%d "
+            "bytes_total=%d duration_ms=%.1f sync_ms=%.1f",
             handle.writer_id,
             mat_id,
             handle.sqn,
@@ -320,6 +335,8 @@ class Materializer:
             stats.files_shared,
             stats.bytes_new,
             stats.bytes_total,
+            stats.duration_s * 1e3,
+            stats.sync_duration_s * 1e3,
         )
         return MaterializationResult(handle, tuple(new), stats)
 
@@ -353,6 +370,16 @@ class Materializer:
         handle = self.upload(mat_id, snap)
         self.backend.materialization_done(handle)
         return handle
+
+
+def snapshot_files(
+    snapshot: MaterializationSnapshot, piece_rows: int | None
+) -> Iterator[SnapshotFile]:
+    """The files to upload: key-group pieces of about ``piece_rows`` keys for heap
+    snapshots, the snapshot's own files otherwise (RocksDB SSTs)."""
+    if isinstance(snapshot, StateSnapshot):
+        return state_files(snapshot, piece_rows)
+    return snapshot.files()
 
 
 def _content(f: SnapshotFile) -> tuple[bytes, str]:

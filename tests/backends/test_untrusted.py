@@ -53,6 +53,8 @@ def test_a_tool_restore_never_unpickles(
     Materializer(b, factory.fileio, "job", "op", 0).materialize_now()
     b.set_current_key("b")
     b.get_state(items).add(Planted(str(marker)))  # only in the log
+    b.set_current_key("c")
+    b.get_state(blob).update(Planted(str(marker)))  # a value change in the log (folded)
     handle = b.checkpoint(2).result()
     assert handle.materialized and handle.changelog
 
@@ -66,6 +68,7 @@ def test_a_tool_restore_never_unpickles(
     }
     assert values[("blob", "a")] == pickle.dumps(Planted(str(marker)), protocol=5)
     assert values[("items", "b")] == [pickle.dumps(Planted(str(marker)), protocol=5)]
+    assert values[("blob", "c")] == pickle.dumps(Planted(str(marker)), protocol=5)
 
     # the job's own restore does unpickle: the check above could fail
     own = factory.store(kind, KeyGroupRange(0, MAX_PAR))

@@ -1,0 +1,503 @@
+"""End to end: a keyed count and sum over many keys, killed with SIGKILL and restored.
+
+The workload (:mod:`tools.bench.workload`): one source, one keyed operator keeping a
+count and a sum per key (two ``ValueState[int64]`` with default 0), checkpoints every
+second, default materialization, default DSTL options, local disk, SQLite. The first
+``keys`` records load every key once; then keys are uniform (the headline) or drawn from
+1% of the keys (``hot``, labelled). Each case runs in a worker process: the load, then
+``seconds`` of measurement, then SIGKILL; then a second worker restores from the latest
+completed checkpoint and stops. Cases: heap and RocksDB, changelog on and off, uniform
+and hot keys; the peer (Apache Flink, :mod:`tools.bench.peers`) runs in the same run
+when its virtualenv can be made.
+
+Per case: ``records_per_s`` (measurement window), ``records_per_s_mat`` (only while a
+materialization is in flight: snapshot to upload done) over ``records_per_s_idle``
+(none in flight) as ``mat_throughput_ratio``; checkpoint duration p50/p99; ``own_p99_ms``
+(our own part: the operator's barrier-to-durable-handle time plus the coordinator's
+commit, everything but the barrier's wait in queues); materialization duration
+(sync + upload) p50/max and its sync part max; ``log_at_kill`` (change records the
+restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
+included) and ``replay_per_s`` (changes folded per second, from the restore's log line);
+``space_amp`` (the largest full checkpoint of the window over the live state, one
+compact zstd Parquet table per state); files and bytes new per checkpoint; peak RSS.
+
+``python -m tools.bench run end-to-end [--quick] --json OUT``; the worker is
+``python -m tools.bench.end_to_end worker ...`` (one attempt, JSON lines on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from statistics import median
+from typing import Any
+
+COLUMNS = [
+    "system",
+    "store",
+    "changelog",
+    "keys",
+    "pattern",
+    "records_per_s",
+    "mat_throughput_ratio",
+    "cp_p50_ms",
+    "cp_p99_ms",
+    "own_p99_ms",
+    "mat_p50_s",
+    "mat_max_s",
+    "mat_sync_max_ms",
+    "log_at_kill",
+    "restore_s",
+    "replay_per_s",
+    "space_amp",
+    "files_per_cp",
+    "bytes_per_cp",
+    "peak_rss_mb",
+]
+
+OPERATOR = "count-sum"
+JOB = "e2e"
+
+
+# -- the worker (one attempt, in its own process) --------------------------------------
+def _emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)
+
+
+class _LogEvents(logging.Handler):
+    """Forwards the materializer's and the restore's log lines as events."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith(("materialized ", "restored ")):
+            _emit({"event": "log", "t": record.created, "msg": record.getMessage()})
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One attempt: run (``--restore-only``: restore, take the final checkpoint, stop)."""
+    from backends.serializers import INT64
+    from backends.state import ValueStateDescriptor
+    from coordinator.checkpoint import CheckpointOptions
+    from coordinator.metadata import CompletedCheckpoint
+    from coordinator.runtime import (
+        EmbeddedRuntime,
+        OperatorSpec,
+        Pipeline,
+        RuntimeOptions,
+        SinkSpec,
+        SourceSpec,
+        StateAccess,
+    )
+    from tools.bench.workload import records
+
+    handler = _LogEvents(logging.INFO)
+    for name in ("materializer.materializer", "backends.restore"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+
+    class CountSum:
+        """The keyed function: count and sum per key. Task thread only."""
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def open(self, state: StateAccess) -> None:
+            self.count = state.get_state(ValueStateDescriptor("count", INT64, default=0))
+            self.sum = state.get_state(ValueStateDescriptor("sum", INT64, default=0))
+
+        def process(self, key: Any, value: Any, emit: Callable[[Any], None]) -> None:
+            self.count.update(self.count.value() + 1)
+            self.sum.update(self.sum.value() + value)
+            self.n += 1
+
+    functions: list[CountSum] = []
+
+    def function() -> CountSum:
+        functions.append(CountSum())
+        return functions[-1]
+
+    def source(_subtask: int, _parallelism: int, offset: int) -> Iterator[tuple[int, int]]:
+        return iter(()) if args.restore_only else records(args.keys, args.hot, offset)
+
+    store = os.path.abspath(args.store)
+    options = RuntimeOptions(
+        store_url=store,
+        checkpoint=CheckpointOptions(interval_s=1.0),
+        state_backend=args.backend,
+        changelog_enabled=args.changelog == "on",
+        local_dir=os.path.join(store, "local"),
+    )
+
+    def on_checkpoint(cp: CompletedCheckpoint) -> None:
+        stats = dict(cp.stats)
+        subtasks = stats.pop("subtask_stats", {})
+        op = subtasks.get(f"{OPERATOR}/0", {})
+        _emit(
+            {
+                "event": "checkpoint",
+                "id": cp.checkpoint_id,
+                "t": time.time(),
+                "commit_ms": (time.time() - cp.completed_at) * 1e3,
+                "offset": cp.states_of("source")[0].offset,
+                "operator": op,
+                **stats,
+            }
+        )
+
+    def sample() -> None:
+        while True:
+            time.sleep(0.2)
+            n = functions[0].n if functions else 0
+            _emit({"event": "sample", "t": time.time(), "n": n, "rss_kb": _rss_kb()})
+
+    pipeline = Pipeline(
+        JOB,
+        SourceSpec("source", 1, source),
+        OperatorSpec(OPERATOR, 1, INT64, function),
+        SinkSpec("sink", os.path.join(store, "output")),
+    )
+    threading.Thread(target=sample, name="bench-sampler", daemon=True).start()
+    runtime = EmbeddedRuntime(pipeline, options, on_checkpoint=on_checkpoint)
+    _emit({"event": "start", "t": time.time()})
+    result = runtime.run()
+    _emit({"event": "finished", "restore_s": result.restore_s, "rss_kb": _rss_kb()})
+    return 0
+
+
+def _rss_kb() -> int:
+    """Peak resident set size of this process (VmHWM), in KiB."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+# -- the parent --------------------------------------------------------------------------
+class _Worker:
+    """A worker process and the events it printed (read on a thread of our own)."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="bench-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                self.events.append(event)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.events)
+
+    def processed(self) -> int:
+        samples = [e for e in self.snapshot() if e["event"] == "sample"]
+        return samples[-1]["n"] if samples else 0
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)  # a real crash: no cleanup, no final checkpoint
+        self.finish()
+
+    def finish(self, timeout: float | None = None) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join()
+        return code
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _parse_fields(msg: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in msg.split():
+        key, sep, value = part.partition("=")
+        if sep:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def _materializations(events: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, float]]]:
+    """(start, end, fields) of every materialization the worker logged."""
+    out = []
+    for e in events:
+        if e["event"] == "log" and e["msg"].startswith("materialized "):
+            f = _parse_fields(e["msg"])
+            total_s = (f.get("duration_ms", 0.0) + f.get("sync_ms", 0.0)) / 1e3
+            out.append((e["t"] - total_s, e["t"], f))
+    return out
+
+
+def _throughput(
+    samples: list[dict[str, Any]], windows: list[tuple[float, float]]
+) -> tuple[float, float]:
+    """Records/s while a materialization is in flight, and while none is."""
+    busy = [0.0, 0.0]  # records, seconds
+    idle = [0.0, 0.0]
+    for a, b in itertools.pairwise(samples):
+        dt, dn = b["t"] - a["t"], b["n"] - a["n"]
+        mid = (a["t"] + b["t"]) / 2
+        into = busy if any(s <= mid <= e for s, e in windows) else idle
+        into[0] += dn
+        into[1] += dt
+    return (busy[0] / busy[1] if busy[1] else 0.0, idle[0] / idle[1] if idle[1] else 0.0)
+
+
+def _checkpoint_facts(store: str) -> dict[str, Any]:
+    """Log rows and bytes of the latest completed checkpoint (what a restore reads)."""
+    from backends.handles import KeyedStateHandle
+    from coordinator.metadata import MetadataStore
+
+    meta = MetadataStore.for_local_store(store, create=False)
+    try:
+        latest = meta.latest(JOB)
+    finally:
+        meta.close()
+    if latest is None:
+        return {"checkpoint_id": None, "log_at_kill": 0}
+    rows = 0
+    handles = [
+        h for s in latest.states_of(OPERATOR) for h in s.handles if isinstance(h, KeyedStateHandle)
+    ]
+    for h in handles:
+        blocks = {(c.location, c.block): c.rows for c in h.changelog}
+        rows += sum(blocks.values())
+    return {"checkpoint_id": latest.checkpoint_id, "log_at_kill": rows, "handles": handles}
+
+
+def _live_bytes(store: str, handles: list[Any]) -> int:
+    """The live state as one compact zstd Parquet table per state."""
+    from backends.tables import table_for, table_to_parquet
+    from dstl.fileio import FileIO
+    from tools.restore import restore_operator
+
+    snapshot = restore_operator(FileIO(store), tuple(handles))
+    return sum(
+        len(table_to_parquet(table_for(meta, snapshot.key_serializer, snapshot.tables.get(n, {}))))
+        for n, meta in sorted(snapshot.metas.items())
+    )
+
+
+def _worker_cmd(store: str, case: dict[str, Any], restore_only: bool) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "tools.bench.end_to_end", "worker",
+        "--store", store,
+        "--backend", case["store"],
+        "--changelog", case["changelog"],
+        "--keys", str(case["keys"]),
+        "--hot", str(case["hot"]),
+    ]  # fmt: skip
+    return [*cmd, "--restore-only"] if restore_only else cmd
+
+
+def run_case(
+    store_kind: str, changelog: str, keys: int, pattern: str, seconds: float
+) -> dict[str, Any]:
+    """One case of ours: run, kill, restore; see the module docstring for the fields."""
+    hot = max(1, keys // 100) if pattern == "hot" else 0
+    case = {"store": store_kind, "changelog": changelog, "keys": keys, "hot": hot}
+    root = tempfile.mkdtemp(prefix="bench-e2e-")
+    try:
+        store = os.path.join(root, "store")
+        os.makedirs(store)
+        w = _Worker(_worker_cmd(store, case, restore_only=False))
+        deadline = time.monotonic() + 600
+        while w.processed() < keys and time.monotonic() < deadline and w.proc.poll() is None:
+            time.sleep(0.2)
+        loaded_at = time.time()
+        time.sleep(seconds)
+        w.kill()
+        events = w.snapshot()
+        facts = _checkpoint_facts(store)
+        started = time.monotonic()
+        r = _Worker(_worker_cmd(store, case, restore_only=True))
+        code = r.finish(timeout=900)
+        restart_s = time.monotonic() - started
+        revents = r.snapshot()
+        live = _live_bytes(store, facts.get("handles", [])) if facts["checkpoint_id"] else 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return _summarize(case, pattern, events, revents, facts, live, loaded_at, code, restart_s)
+
+
+def _summarize(
+    case: dict[str, Any],
+    pattern: str,
+    events: list[dict[str, Any]],
+    revents: list[dict[str, Any]],
+    facts: dict[str, Any],
+    live: int,
+    loaded_at: float,
+    restore_exit: int,
+    restart_s: float,
+) -> dict[str, Any]:
+    samples = [e for e in events if e["event"] == "sample" and e["t"] >= loaded_at]
+    cps = [e for e in events if e["event"] == "checkpoint" and e["t"] >= loaded_at]
+    mats = [m for m in _materializations(events) if m[1] >= loaded_at]
+    rate = (
+        (samples[-1]["n"] - samples[0]["n"]) / (samples[-1]["t"] - samples[0]["t"])
+        if len(samples) > 1
+        else 0.0
+    )
+    busy, idle = _throughput(samples, [(s, e) for s, e, _ in mats])
+    durations = [float(c["duration_ms"]) for c in cps]
+    own = [
+        float(c["operator"].get("async_ms", 0.0)) + float(c["commit_ms"])
+        for c in cps
+        if c["operator"]
+    ]
+    mat_s = [e - s for s, e, _ in mats]
+    finished = next((e for e in revents if e["event"] == "finished"), None)
+    replay = [
+        _parse_fields(e["msg"])
+        for e in revents
+        if e["event"] == "log" and e["msg"].startswith("restored ")
+    ]
+    replayed = sum(f.get("changes", 0.0) for f in replay)
+    replay_s = sum(f.get("replay_ms", 0.0) for f in replay) / 1e3
+    return {
+        "system": "ours",
+        "store": case["store"],
+        "changelog": case["changelog"],
+        "keys": case["keys"],
+        "pattern": pattern,
+        "records_per_s": round(rate),
+        "records_per_s_mat": round(busy),
+        "records_per_s_idle": round(idle),
+        "mat_throughput_ratio": round(busy / idle, 3) if busy and idle else None,
+        "checkpoints": len(cps),
+        "cp_p50_ms": round(_pct(durations, 0.5), 1),
+        "cp_p99_ms": round(_pct(durations, 0.99), 1),
+        "own_p99_ms": round(_pct(own, 0.99), 1),
+        "materializations": len(mats),
+        "mat_p50_s": round(median(mat_s), 3) if mat_s else None,
+        "mat_max_s": round(max(mat_s), 3) if mat_s else None,
+        "mat_sync_max_ms": round(max(f.get("sync_ms", 0.0) for _, _, f in mats), 1)
+        if mats
+        else None,
+        "log_at_kill": facts["log_at_kill"],
+        "restore_s": round(finished["restore_s"], 3) if finished else None,
+        "restart_s": round(restart_s, 3),
+        "restore_exit": restore_exit,
+        "replay_per_s": round(replayed / replay_s) if replay_s > 0 else None,
+        "replayed": int(replayed),
+        "live_bytes": live,
+        "space_amp": round(max(c["bytes_total"] for c in cps) / live, 3) if cps and live else None,
+        "files_per_cp": round(median(c["files_new"] for c in cps), 1) if cps else None,
+        "bytes_per_cp": round(median(c["bytes_new"] for c in cps)) if cps else None,
+        "peak_rss_mb": round(max((e.get("rss_kb", 0) for e in events), default=0) / 1024, 1),
+    }
+
+
+def _headline(cases: list[dict[str, Any]], peer: dict[str, Any] | None) -> dict[str, Any]:
+    def get(store: str, changelog: str = "on", pattern: str = "uniform") -> dict[str, Any]:
+        return next(
+            c
+            for c in cases
+            if (c["store"], c["changelog"], c["pattern"]) == (store, changelog, pattern)
+        )
+
+    heap, rocks = get("heap"), get("rocksdb")
+    out: dict[str, Any] = {
+        "records_per_s_heap": heap["records_per_s"],
+        "records_per_s_rocksdb": rocks["records_per_s"],
+        "restore_s_heap": heap["restore_s"],
+        "restore_s_rocksdb": rocks["restore_s"],
+        "replay_changes_per_s": min(
+            (c["replay_per_s"] for c in (heap, rocks) if c["replay_per_s"]), default=None
+        ),
+        "materialization_s_max_heap": heap["mat_max_s"],
+        "materialization_throughput_ratio_heap": heap["mat_throughput_ratio"],
+        "space_amplification": max(
+            c["space_amp"] for c in cases if c["changelog"] == "on" and c["space_amp"]
+        ),
+        "own_checkpoint_p99_ms": max(c["own_p99_ms"] for c in (heap, rocks)),
+        "materialization_sync_max_ms_rocksdb": rocks["mat_sync_max_ms"],
+    }
+    if peer is not None and peer.get("records_per_s"):
+        out["peer"] = peer.get("peer_label")
+        out["records_per_s_peer"] = peer["records_per_s"]
+        out["restore_s_peer"] = peer.get("restore_s")
+        out["ratio_records_per_s_rocksdb_vs_peer"] = round(
+            rocks["records_per_s"] / peer["records_per_s"], 3
+        )
+        out["ratio_records_per_s_heap_vs_peer"] = round(
+            heap["records_per_s"] / peer["records_per_s"], 3
+        )
+        if peer.get("restore_s"):
+            for name, c in (("heap", heap), ("rocksdb", rocks)):
+                if c["restore_s"] is not None:
+                    out[f"ratio_restore_s_{name}_vs_peer"] = round(
+                        c["restore_s"] / peer["restore_s"], 3
+                    )
+    return out
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Every case of ours, the peer in the same run, and the headline fields."""
+    from tools.bench import peers
+
+    keys = 100_000 if quick else 1_000_000
+    seconds = 12.0 if quick else 30.0
+    plan = [
+        ("heap", "on", "uniform"),
+        ("rocksdb", "on", "uniform"),
+        ("heap", "on", "hot"),
+        ("rocksdb", "on", "hot"),
+        ("heap", "off", "uniform"),
+        ("rocksdb", "off", "uniform"),
+    ]
+    if quick:
+        plan = plan[:2] + plan[4:]
+    cases = [run_case(s, c, keys, p, seconds) for s, c, p in plan]
+    if not quick:  # the size target holds at 100k keys too
+        cases += [run_case(s, "on", keys // 10, "uniform", seconds) for s in ("heap", "rocksdb")]
+    peer = peers.flink_case(keys, 0, seconds)
+    if peer is not None:
+        live = next(c["live_bytes"] for c in cases if c["store"] == "heap" and c["keys"] == keys)
+        if live and peer.get("full_checkpoint_bytes"):  # the same logical state as ours
+            peer["space_amp"] = round(peer["full_checkpoint_bytes"] / live, 3)
+        cases.append(peer)
+    return {"cases": cases, **_headline(cases, peer)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``worker`` entry point (the benchmark itself runs through ``python -m tools.bench``)."""
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.end_to_end")
+    parser.add_argument("mode", choices=["worker"])
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--backend", choices=["heap", "rocksdb"], default="heap")
+    parser.add_argument("--changelog", choices=["on", "off"], default="on")
+    parser.add_argument("--keys", type=int, required=True)
+    parser.add_argument("--hot", type=int, default=0)
+    parser.add_argument("--restore-only", action="store_true")
+    return worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
