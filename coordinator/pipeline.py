@@ -7,43 +7,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from backends.keygroups import (
     DEFAULT_MAX_PARALLELISM,
 )
 from backends.serializers import Serializer
-from backends.state import StateDescriptor
 from coordinator.channels import (
     BarrierMode,
 )
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.functions import KeyedFunction
 from coordinator.metadata import MetadataStore
 from dstl.changelog import ChangelogOptions
 from dstl.errors import (
     ConfigError,
 )
 from dstl.fileio import FileIO
-
-
-class StateAccess(Protocol):
-    """What a keyed function sees of its backend."""
-
-    def get_state(self, descriptor: StateDescriptor) -> Any:
-        """The state object for ``descriptor``."""
-        ...
-
-
-class KeyedFunction(Protocol):
-    """User logic of the keyed operator. Called on its task thread only."""
-
-    def open(self, state: StateAccess) -> None:
-        """Declare states (called once, after restore)."""
-        ...
-
-    def process(self, key: Any, value: Any, emit: Callable[[Any], None]) -> None:
-        """Handle one record of ``key`` (the backend's current key is already ``key``)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

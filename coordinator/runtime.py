@@ -30,15 +30,14 @@ from coordinator.channels import (
     InputGate,
 )
 from coordinator.checkpoint import CheckpointCoordinator
+from coordinator.functions import Context, KeyedFunction, StateAccess
 from coordinator.metadata import CompletedCheckpoint, MetadataStore
 from coordinator.pipeline import (
-    KeyedFunction,
     OperatorSpec,
     Pipeline,
     RuntimeOptions,
     SinkSpec,
     SourceSpec,
-    StateAccess,
 )
 from coordinator.tasks import (
     Notify,
@@ -61,6 +60,7 @@ from dstl.fileio import FileIO
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Context",
     "EmbeddedRuntime",
     "KeyedFunction",
     "OperatorSpec",

@@ -42,6 +42,7 @@ from coordinator.channels import (
     InputGate,
 )
 from coordinator.checkpoint import CheckpointCoordinator
+from coordinator.functions import KeyedRunner
 from coordinator.metadata import CompletedCheckpoint, SubtaskState
 from coordinator.sink import SinkTransactionHandle, TransactionalFileSink, commit
 from dstl.changelog import ChangelogStorage
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
     from coordinator.runtime import EmbeddedRuntime
 
 log = logging.getLogger(__name__)
+
+
+def _wall_ms() -> int:
+    """The processing-time clock of keyed functions: epoch milliseconds."""
+    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +258,8 @@ class OperatorTask:
             )
         )
         self.function = spec.function()
-        self.function.open(self.backend)
+        self.runner = KeyedRunner(self.function, self.backend, _wall_ms)
+        self.runner.open()
         # Periodic, jittered, skipped when idle or in flight; fails the task after
         # max_consecutive_failures failures in a row. Uploads on its own named thread.
         self.materialization = MaterializationScheduler(
@@ -288,30 +295,38 @@ class OperatorTask:
         for batch in self._replay:
             for key, value in batch:
                 if key_group_for(serialize(key), spec.max_parallelism) in mine:
-                    self.backend.set_current_key(key)
-                    self.function.process(key, value, out.append)
+                    self.runner.process(key, value, None, out.append)
         if out:
             self.sink_gate.put(self.subtask, out)
         self._replay = []
 
     def _run(self) -> None:
         self._replay_in_flight()
-        backend, function = self.backend, self.function
+        runner = self.runner
         out: list[Any] = []
         emit = out.append
-        set_key = backend.set_current_key
-        process = function.process
+        set_key = self.backend.set_current_key
+        process = self.function.process
+        ctx = runner.context  # set up per batch, not per record: the hot path
+        ctx.timestamp, ctx.time_domain = None, None
         while True:
             if self.full is None and self.materialization.run_once() is not None:
                 self.materializations += 1
+            runner.advance_processing_time(_wall_ms(), emit)
             item = self.gate.next(timeout=0.05)
             if item is None:
+                if out:
+                    self.sink_gate.put(self.subtask, out)
+                    out = []
+                    emit = out.append
                 continue
             channel, element = item
             if channel != CONTROL:
+                ctx.emit, ctx.timestamp, ctx.time_domain = emit, None, None
                 for key, value in element:
                     set_key(key)
-                    process(key, value, emit)
+                    ctx.key = key
+                    process(key, value, ctx)
                 if out:
                     self.sink_gate.put(self.subtask, out)
                     out = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -30,8 +30,9 @@ from backends.backend import KeyedStateBackend
 from backends.handles import KeyedStateHandle, MaterializationHandle
 from backends.keygroups import KeyGroupRange
 from backends.restore import relevant, restore_into
+from backends.serializers import Serializer
 from backends.snapshot import MaterializationSnapshot
-from backends.state import StateDescriptor
+from backends.state import StateDescriptor, StateMeta
 from dstl import layout
 from dstl.fileio import FileIO
 from materializer.materializer import (
@@ -102,6 +103,39 @@ class FullSnapshotCheckpointer:
     def get_state(self, descriptor: StateDescriptor) -> Any:
         """The state object for ``descriptor`` (no logging: changelog is off)."""
         return self.inner.get_state(descriptor)
+
+    # -- what timers need of a backend (backends.timers.TimerService) ----------------------
+    @property
+    def key_serializer(self) -> Serializer:
+        """The key serializer of the wrapped store."""
+        return self.inner.key_serializer
+
+    @property
+    def current_key(self) -> Any:
+        """The current key."""
+        return self.inner.current_key
+
+    @property
+    def current_key_bytes(self) -> bytes:
+        """The current key, serialized."""
+        return self.inner.current_key_bytes
+
+    @property
+    def current_key_group(self) -> int:
+        """The current key's key group."""
+        return self.inner.current_key_group
+
+    def set_current_key_raw(self, key: Any, key_bytes: bytes, key_group: int) -> None:
+        """Set the current key when its bytes and group are known."""
+        self.inner.set_current_key_raw(key, key_bytes, key_group)
+
+    def state_metas(self) -> dict[str, StateMeta]:
+        """Every state declared or restored, by name."""
+        return self.inner.state_metas()
+
+    def entries(self, name: str) -> Iterator[tuple[int, Any, Any]]:
+        """``(key_group, key, raw value)`` of every entry of state ``name``."""
+        return self.inner.entries(name)
 
     # -- MaterializationSource ----------------------------------------------------------
     def snapshot_for_materialization(self) -> MaterializationSnapshot:

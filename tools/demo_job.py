@@ -10,13 +10,13 @@ dicts: what a failure-free run must produce.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from backends.serializers import INT64, STR
 from backends.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from coordinator.runtime import OperatorSpec, Pipeline, SinkSpec, SourceSpec, StateAccess
+from coordinator.runtime import Context, OperatorSpec, Pipeline, SinkSpec, SourceSpec, StateAccess
 
 CATEGORIES = ("books", "games", "music", "food", "tools")
 RECENT = 5
@@ -58,7 +58,7 @@ class UserStats:
         self.recent = state.get_state(ListStateDescriptor("recent_items", STR))
         self.by_category = state.get_state(MapStateDescriptor("by_category", STR, INT64))
 
-    def process(self, key: Any, value: Any, emit: Callable[[Any], None]) -> None:
+    def process(self, key: Any, value: Any, ctx: Context) -> None:
         item, cents, category = value
         count = (self.count.value() or 0) + 1
         self.count.update(count)
@@ -70,7 +70,7 @@ class UserStats:
         else:
             self.recent.add(item)
         self.by_category.put(category, (self.by_category.get(category) or 0) + 1)
-        emit([key, count, total])
+        ctx.emit([key, count, total])
 
 
 def pipeline(config: DemoConfig, output_url: str, job_id: str = "demo") -> Pipeline:

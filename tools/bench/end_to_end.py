@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from statistics import median
 from typing import Any
 
@@ -90,6 +90,7 @@ def worker(args: argparse.Namespace) -> int:
     from coordinator.checkpoint import CheckpointOptions
     from coordinator.metadata import CompletedCheckpoint
     from coordinator.runtime import (
+        Context,
         EmbeddedRuntime,
         OperatorSpec,
         Pipeline,
@@ -116,7 +117,7 @@ def worker(args: argparse.Namespace) -> int:
             self.count = state.get_state(ValueStateDescriptor("count", INT64, default=0))
             self.sum = state.get_state(ValueStateDescriptor("sum", INT64, default=0))
 
-        def process(self, key: Any, value: Any, emit: Callable[[Any], None]) -> None:
+        def process(self, key: Any, value: Any, ctx: Context) -> None:
             self.count.update(self.count.value() + 1)
             self.sum.update(self.sum.value() + value)
             self.n += 1

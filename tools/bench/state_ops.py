@@ -48,6 +48,7 @@ from backends import (
     ValueStateDescriptor,
 )
 from backends.serializers import INT64, STR
+from coordinator.functions import KeyedRunner
 from dstl import ChangelogStorage, FileIO
 from tools.demo_job import DemoConfig, UserStats, events
 
@@ -120,14 +121,16 @@ def _batch(backend: Any, state: str, keys: list[str], values: list[int], size: i
 def _operator(backend: Any, records: list[tuple[str, Any]]) -> float:
     """The demo's keyed function over ``records``, as its task thread would call it."""
     fn = UserStats()
-    fn.open(backend)
-    set_key, process = backend.set_current_key, fn.process
+    runner = KeyedRunner(fn, backend, lambda: 0)
+    runner.open()
+    set_key, process, ctx = backend.set_current_key, fn.process, runner.context
     out: list[Any] = []
-    emit = out.append
+    ctx.emit = out.append
     started = time.perf_counter()
     for key, value in records:
         set_key(key)
-        process(key, value, emit)
+        ctx.key = key
+        process(key, value, ctx)
     return time.perf_counter() - started
 
 
