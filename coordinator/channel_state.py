@@ -1,4 +1,4 @@
-"""In-flight records of an unaligned checkpoint (FLIP-76 channel state) and their handle.
+"""In-flight records of an unaligned checkpoint (FLIP-76 channel state): write and read.
 
 With unaligned barriers a task snapshots its state as soon as the *first* barrier of a
 checkpoint arrives; the records that arrive afterwards on channels whose barrier is still
@@ -19,48 +19,15 @@ import pickle
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from coordinator.handles import ChannelStateHandle
 from dstl import layout
 from dstl.errors import CorruptionError
 from dstl.fileio import FileIO
-from dstl.handles import register_handle
-from dstl.integrity import FileRef, content_hash, read_verified
-from dstl.layout import check_location
+from dstl.integrity import content_hash, read_verified
 
 _MAGIC = b"CSTATE1\n"
-
-
-@register_handle("channel-state")
-@dataclass(frozen=True, slots=True)
-class ChannelStateHandle:
-    """The in-flight input records of one subtask for one unaligned checkpoint."""
-
-    location: str
-    checkpoint_id: int
-    operator: str
-    subtask: int
-    records: int
-    size_bytes: int
-    content_hash: str = ""
-
-    TYPE_TAG: ClassVar[str]
-    #: A file of this handle is never referenced by any other checkpoint.
-    PRIVATE_TO_CHECKPOINT: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        check_location(self.location)
-        if self.checkpoint_id < 1 or self.records < 0:
-            raise ValueError(f"invalid channel state handle {self!r}")
-
-    def files(self) -> list[str]:
-        """The one file."""
-        return [self.location]
-
-    def file_refs(self) -> list[FileRef]:
-        """The one file, with its size and content hash."""
-        return [FileRef(self.location, self.size_bytes, self.content_hash)]
 
 
 def write_channel_state(

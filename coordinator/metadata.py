@@ -26,12 +26,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-# Importing these registers every handle type a checkpoint may hold, so that any reader
-# of the store (the CLI, Spark jobs) decodes them without knowing where they come from.
-import backends.handles  # noqa: F401
-import coordinator.channel_state
-import coordinator.sink  # noqa: F401
 from coordinator.errors import SchemaVersionError
+from coordinator.handles import handle_from_json, handle_to_json
 from dstl.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -41,7 +37,6 @@ from dstl.errors import (
     MetadataStoreError,
     StateBackendError,
 )
-from dstl.handles import handle_from_json, handle_to_json
 from dstl.integrity import FileRef
 from dstl.layout import relative_of_url
 

@@ -13,43 +13,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from coordinator.handles import SinkTransactionHandle
 from dstl import layout
 from dstl.errors import StorageConflictError
 from dstl.fileio import FileIO
-from dstl.handles import register_handle
-from dstl.integrity import FileRef, content_hash, read_verified
-from dstl.layout import check_location
-
-
-@register_handle("sink-transaction")
-@dataclass(frozen=True, slots=True)
-class SinkTransactionHandle:
-    """A staged (pre-committed) sink transaction: its file and what it commits as."""
-
-    location: str
-    checkpoint_id: int
-    subtask: int
-    records: int
-    size_bytes: int
-    content_hash: str = ""
-
-    TYPE_TAG: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        check_location(self.location)
-        if self.checkpoint_id < 1 or self.records < 1:
-            raise ValueError(f"invalid sink transaction {self!r}")
-
-    def files(self) -> list[str]:
-        """The staged file."""
-        return [self.location]
-
-    def file_refs(self) -> list[FileRef]:
-        """The staged file, with its size and content hash."""
-        return [FileRef(self.location, self.size_bytes, self.content_hash)]
+from dstl.integrity import content_hash, read_verified
 
 
 def part_name(checkpoint_id: int, subtask: int) -> str:
@@ -126,3 +96,12 @@ def read_output(output_io: FileIO) -> list[Any]:
             data = output_io.read(output_io.relative(info.path))
             out.extend(json.loads(line) for line in data.decode().splitlines() if line)
     return out
+
+
+__all__ = [
+    "SinkTransactionHandle",
+    "TransactionalFileSink",
+    "commit",
+    "part_name",
+    "read_output",
+]

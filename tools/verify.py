@@ -29,9 +29,8 @@ from backends.handles import KeyedStateHandle, MaterializationHandle, StateFileH
 from backends.restore import _file_name
 from backends.rocksdb import META_FILE, decode_metadata
 from backends.tables import parquet_to_table, table_meta
-from coordinator.channel_state import ChannelStateHandle
+from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 from coordinator.metadata import CompletedCheckpoint
-from coordinator.sink import SinkTransactionHandle
 from dstl.errors import CorruptionError, StorageNotFoundError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.channel_state import ChannelStateHandle
 from coordinator.checkpoint import CheckpointCoordinator, CheckpointOptions
 from coordinator.errors import CheckpointTriggerRejectedError
+from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, Retention, SubtaskState
-from coordinator.sink import SinkTransactionHandle
 from dstl.errors import CheckpointError, JobFailedError, MetadataStoreError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle

@@ -190,8 +190,7 @@ def test_a_fresh_reader_decodes_every_coordinator_handle(tmp_path: Any) -> None:
     import sys
     from pathlib import Path
 
-    from coordinator.channel_state import ChannelStateHandle
-    from coordinator.sink import SinkTransactionHandle
+    from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 
     url = f"sqlite:///{tmp_path}/m.db"
     store = MetadataStore(url)

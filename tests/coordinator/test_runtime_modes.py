@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.channel_state import ChannelStateHandle
 from coordinator.channels import BarrierMode
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint
 from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from coordinator.sink import read_output

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.channel_state import ChannelStateHandle
 from coordinator.channels import BarrierMode
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint, MetadataStore
 from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from dstl.errors import CorruptionError

@@ -31,8 +31,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import backends.handles  # noqa: F401 - registers the handle types stored in checkpoints
-import coordinator.sink  # noqa: F401 - registers the sink transaction handle
 from coordinator.metadata import one_line
 from dstl.errors import (
     CheckpointNotFoundError,
