@@ -1,7 +1,7 @@
 """The keyed function API, shared by both hosts (the embedded runtime and the Spark host).
 
 A pipeline author writes a keyed function once; the embedded runtime
-(:mod:`coordinator.runtime`) and the Spark host (``coordinator/spark/``) run it unchanged.
+(:mod:`coordinator.embedded.runtime`) and the Spark host (``coordinator/spark/``) run it unchanged.
 Its shape is Flink's ``KeyedProcessFunction`` and reads like PySpark's
 ``StatefulProcessor`` (``init`` with a handle, rows of a key, timers)::
 

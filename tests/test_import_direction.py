@@ -1,6 +1,9 @@
 """Dependencies point one way: dstl <- backends <- materializer <- coordinator <- tools.
 
-A package may import itself and the packages to its left, never one to its right.
+A package may import itself and the packages to its left, never one to its right. Inside
+``coordinator/`` the two hosts (``coordinator.embedded``, ``coordinator.spark``) never
+import each other, and what they share (the protocol, the metadata store, the keyed
+function API, options, sinks, handle types) imports neither host.
 Checked statically (ast) on every .py file of the five packages, including imports inside
 functions and ``if TYPE_CHECKING:`` blocks, and ``importlib.import_module("...")`` /
 ``__import__("...")`` with a literal name.
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 LAYERS = ("dstl", "backends", "materializer", "coordinator", "tools")
+HOSTS = ("coordinator.embedded", "coordinator.spark")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -35,6 +39,25 @@ def _allowed(own: str, target_top: str) -> bool:
     return LAYERS.index(target_top) <= LAYERS.index(own)
 
 
+def _host_of(module: str) -> str | None:
+    return next((h for h in HOSTS if module == h or module.startswith(h + ".")), None)
+
+
+def _host_violation(module: str, target: str) -> str | None:
+    """Why ``module`` may not import ``target`` across the hosts, or None."""
+    if not module.startswith("coordinator"):
+        return None
+    target_host = _host_of(target)
+    if target_host is None:
+        return None
+    own_host = _host_of(module)
+    if own_host is None:
+        return f"shared coordinator code may not import the host {target_host}"
+    if own_host != target_host:
+        return f"host {own_host} may not import host {target_host}"
+    return None
+
+
 def check_source(source: str, module: str, *, is_package: bool = False) -> list[Violation]:
     """Violations of the layer order in ``source``, the code of module ``module``.
 
@@ -52,6 +75,8 @@ def check_source(source: str, module: str, *, is_package: bool = False) -> list[
         top = target.split(".")[0]
         if not _allowed(own, top):
             found.append(Violation(module, line, target, f"{own} may not import {top} (above it)"))
+        elif (why := _host_violation(module, target)) is not None:
+            found.append(Violation(module, line, target, why))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -61,6 +86,9 @@ def check_source(source: str, module: str, *, is_package: bool = False) -> list[
             if node.level == 0:
                 assert node.module is not None
                 check(node.lineno, node.module)
+                for alias in node.names:  # ``from coordinator import embedded``
+                    if _host_of(node.module) is None and _host_of(f"{node.module}.{alias.name}"):
+                        check(node.lineno, f"{node.module}.{alias.name}")
             else:
                 up = node.level - 1
                 if up >= len(package):
@@ -150,6 +178,11 @@ BAD = [
     ("backends.heap", "__import__('tools')\n"),
     ("backends.heap", "from ... import x\n"),  # backends.heap: '..' is already the root
     ("dstl", "from .. import x\n"),  # dstl/__init__.py
+    ("coordinator.embedded.tasks", "from coordinator.spark.host import H\n"),
+    ("coordinator.spark.host", "import coordinator.embedded.channels\n"),
+    ("coordinator.spark.host", "from coordinator import embedded\n"),
+    ("coordinator.metadata", "from coordinator.embedded.channel_state import x\n"),
+    ("coordinator.functions", "def f():\n    import coordinator.spark\n"),
 ]
 
 GOOD = [
@@ -162,6 +195,12 @@ GOOD = [
     ("tools.cli", "import coordinator, materializer, backends, dstl, tools.bench\n"),
     ("tools.bench.run", "from .. import cli\n"),
     ("backends.heap", "importlib.import_module('.x', 'backends')\n"),  # relative: own package
+    ("coordinator.embedded.tasks", "from coordinator.embedded.channels import C\n"),
+    ("coordinator.embedded.tasks", "from coordinator import functions, sink, handles\n"),
+    ("coordinator.spark.host", "from coordinator.functions import KeyedRunner\n"),
+    ("coordinator.embedded", "from coordinator.embedded.runtime import R\n"),
+    ("tools.cli.run", "from coordinator.embedded import EmbeddedRuntime\n"),
+    ("tools.spark.x", "import coordinator.spark, coordinator.embedded\n"),
 ]
 
 

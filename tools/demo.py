@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import CompletedCheckpoint, MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from coordinator.sink import read_output
 from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline, reference

@@ -16,7 +16,7 @@ from typing import Any
 
 from backends.serializers import INT64, STR
 from backends.state import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from coordinator.runtime import Context, OperatorSpec, Pipeline, SinkSpec, SourceSpec, StateAccess
+from coordinator.embedded import Context, OperatorSpec, Pipeline, SinkSpec, SourceSpec, StateAccess
 
 CATEGORIES = ("books", "games", "music", "food", "tools")
 RECENT = 5

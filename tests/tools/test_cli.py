@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from tools.cli import main
 from tools.demo_job import DemoConfig, pipeline, reference
 

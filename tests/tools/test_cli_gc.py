@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from tools.cli import EXIT_OK, EXIT_USAGE, main
 from tools.demo_job import DemoConfig, pipeline
 

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from tools.cli import (
     EXIT_CORRUPT,
     EXIT_FAIL,

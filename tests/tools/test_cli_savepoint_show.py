@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from tools.cli import main
 from tools.demo_job import DemoConfig, pipeline
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.channels import BarrierMode
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint, MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from coordinator.options import BarrierMode
 from dstl.errors import CorruptionError
 from tools.cli import EXIT_CORRUPT, EXIT_NOT_FOUND, EXIT_OK, main
 from tools.demo_job import DemoConfig, pipeline

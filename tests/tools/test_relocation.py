@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from coordinator.sink import read_output
 from dstl.fileio import FileIO
 from tests.services import S3Bucket

@@ -88,8 +88,7 @@ def worker(args: argparse.Namespace) -> int:
     from backends.serializers import INT64
     from backends.state import ValueStateDescriptor
     from coordinator.checkpoint import CheckpointOptions
-    from coordinator.metadata import CompletedCheckpoint
-    from coordinator.runtime import (
+    from coordinator.embedded import (
         Context,
         EmbeddedRuntime,
         OperatorSpec,
@@ -99,6 +98,7 @@ def worker(args: argparse.Namespace) -> int:
         SourceSpec,
         StateAccess,
     )
+    from coordinator.metadata import CompletedCheckpoint
     from tools.bench.workload import records
 
     handler = _LogEvents(logging.INFO)

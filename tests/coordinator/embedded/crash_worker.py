@@ -1,6 +1,6 @@
 """A job attempt that SIGKILLs itself between "files written" and "record committed".
 
-``python -m tests.coordinator.crash_worker STORE CRASH_AT`` runs the demo pipeline on
+``python -m tests.coordinator.embedded.crash_worker STORE CRASH_AT`` runs the demo pipeline on
 ``STORE``; when checkpoint ``>= CRASH_AT`` has every file durable but no record yet, it
 writes that checkpoint's id and files to ``STORE/crash.json`` (fsync'd) and kills itself.
 """
@@ -13,8 +13,8 @@ import signal
 import sys
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import CompletedCheckpoint
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from tools.demo_job import DemoConfig, pipeline
 
 CONFIG = DemoConfig(events_per_source=6000, users=200, rate_per_source=4000.0)

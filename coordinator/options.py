@@ -1,69 +1,29 @@
-"""What a pipeline author declares: the job's operators and the runtime's options.
+"""The options of a job run, shared by both hosts: where state goes, how it is checkpointed.
 
-Plain, frozen values; the runtime (:mod:`coordinator.runtime`) turns them into tasks.
+Typed and frozen; validated once on construction. The barrier handling options
+(``barrier_mode`` and what follows it) are read by the embedded runtime's channels only; a
+host that checkpoints per micro-batch (Spark) has no barriers in flight and ignores them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from backends.keygroups import (
-    DEFAULT_MAX_PARALLELISM,
-)
-from backends.serializers import Serializer
-from coordinator.channels import (
-    BarrierMode,
-)
 from coordinator.checkpoint import CheckpointOptions
-from coordinator.functions import KeyedFunction
 from coordinator.metadata import MetadataStore
 from dstl.changelog import ChangelogOptions
-from dstl.errors import (
-    ConfigError,
-)
+from dstl.errors import ConfigError
 from dstl.fileio import FileIO
 
 
-@dataclass(frozen=True, slots=True)
-class SourceSpec:
-    """A replayable source: ``open(subtask, parallelism, offset)`` yields ``(key, value)``
-    records from ``offset`` (records already emitted by that subtask)."""
+class BarrierMode(StrEnum):
+    """How a multi-input task handles barriers (``RuntimeOptions.barrier_mode``)."""
 
-    name: str
-    parallelism: int
-    open: Callable[[int, int, int], Iterator[tuple[Any, Any]]]
-    rate_per_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class OperatorSpec:
-    """The keyed stateful operator."""
-
-    name: str
-    parallelism: int
-    key_serializer: Serializer
-    function: Callable[[], KeyedFunction]
-    max_parallelism: int = DEFAULT_MAX_PARALLELISM
-
-
-@dataclass(frozen=True, slots=True)
-class SinkSpec:
-    """The transactional file sink (parallelism 1): committed parts go to ``output_url``."""
-
-    name: str
-    output_url: str
-
-
-@dataclass(frozen=True, slots=True)
-class Pipeline:
-    """A linear job: source -> keyed operator -> sink."""
-
-    job_id: str
-    source: SourceSpec
-    operator: OperatorSpec
-    sink: SinkSpec
+    ALIGNED = "aligned"
+    UNALIGNED = "unaligned"
+    AT_LEAST_ONCE = "at-least-once"
 
 
 @dataclass(frozen=True, slots=True)

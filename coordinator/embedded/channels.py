@@ -31,20 +31,13 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+from coordinator.options import BarrierMode
 
 CONTROL = -1
 _PUT_POLL_S = 0.05
 _WAKE = object()  # unaligned: nudges a receiver blocked on an empty inbox
-
-
-class BarrierMode(StrEnum):
-    """How a multi-input task handles barriers (``RuntimeOptions.barrier_mode``)."""
-
-    ALIGNED = "aligned"
-    UNALIGNED = "unaligned"
-    AT_LEAST_ONCE = "at-least-once"
 
 
 @dataclass(frozen=True, slots=True)

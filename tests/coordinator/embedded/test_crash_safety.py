@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.embedded import EmbeddedRuntime
 from coordinator.gc import plan_sweep, sweep
 from coordinator.metadata import MetadataStore
-from coordinator.runtime import EmbeddedRuntime
 from coordinator.sink import read_output
 from dstl.errors import CheckpointNotFoundError
 from dstl.fileio import FileIO
-from tests.coordinator.crash_worker import CONFIG, options
+from tests.coordinator.embedded.crash_worker import CONFIG, options
 from tools.demo_job import pipeline, reference
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_kill_before_commit_then_restart_and_sweep(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     store_dir.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.coordinator.crash_worker", str(store_dir), "4"],
+        [sys.executable, "-m", "tests.coordinator.embedded.crash_worker", str(store_dir), "4"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.gc import plan_sweep
 from coordinator.metadata import MetadataStore
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from dstl.changelog import ChangelogStorage, ChangelogWriter
 from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline

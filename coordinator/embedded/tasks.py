@@ -13,10 +13,11 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from backends.changelog import ChangelogKeyedStateBackend
 from backends.handles import KeyedStateHandle
@@ -28,23 +29,21 @@ from backends.keygroups import (
 )
 from backends.restore import restore_changelog_backend
 from backends.rocksdb import RocksDBKeyedStateBackend
-from coordinator.channel_state import (
-    ChannelStateHandle,
-    read_channel_state,
-    write_channel_state,
-)
-from coordinator.channels import (
+from coordinator.checkpoint import CheckpointCoordinator
+from coordinator.embedded.channel_state import read_channel_state, write_channel_state
+from coordinator.embedded.channels import (
     CONTROL,
     Barrier,
-    BarrierMode,
     CancelledBarrier,
     InFlightData,
     InputGate,
 )
-from coordinator.checkpoint import CheckpointCoordinator
+from coordinator.embedded.pipeline import Pipeline
 from coordinator.functions import KeyedRunner
+from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 from coordinator.metadata import CompletedCheckpoint, SubtaskState
-from coordinator.sink import SinkTransactionHandle, TransactionalFileSink, commit
+from coordinator.options import BarrierMode, RuntimeOptions
+from coordinator.sink import TransactionalFileSink, commit
 from dstl.changelog import ChangelogStorage
 from dstl.errors import (
     ConfigError,
@@ -58,15 +57,24 @@ from materializer import (
     restore_full_backend,
 )
 
-if TYPE_CHECKING:
-    from coordinator.runtime import EmbeddedRuntime
-
 log = logging.getLogger(__name__)
 
 
 def _wall_ms() -> int:
     """The processing-time clock of keyed functions: epoch milliseconds."""
     return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnv:
+    """What every task of one run shares: the job, its options, the clock and the
+    runtime's callbacks (``fail`` and ``source_finished`` are thread-safe)."""
+
+    pipeline: Pipeline
+    options: RuntimeOptions
+    clock: Callable[[], float]
+    fail: Callable[[BaseException], None]
+    source_finished: Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +108,7 @@ class SourceTask:
 
     def __init__(
         self,
-        rt: EmbeddedRuntime,
+        rt: JobEnv,
         subtask: int,
         outputs: list[InputGate],
         latest: CompletedCheckpoint | None,
@@ -142,7 +150,7 @@ class SourceTask:
         try:
             self._run()
         except BaseException as exc:
-            self.rt._fail(exc)
+            self.rt.fail(exc)
 
     def _run(self) -> None:
         spec = self.rt.pipeline.source
@@ -162,7 +170,7 @@ class SourceTask:
             batch = list(islice(records, batch_size))
             if not batch:
                 exhausted = True
-                self.rt._source_finished()
+                self.rt.source_finished()
                 continue
             routed: dict[int, list[tuple[Any, Any]]] = {}
             for rec in batch:
@@ -198,7 +206,7 @@ class OperatorTask:
 
     def __init__(
         self,
-        rt: EmbeddedRuntime,
+        rt: JobEnv,
         subtask: int,
         gate: InputGate,
         sink_gate: InputGate,
@@ -244,7 +252,7 @@ class OperatorTask:
             restore_changelog_backend(self.backend, fileio, handles)
         else:  # restores changelog and full checkpoints alike
             self.backend = self.full = FullSnapshotCheckpointer(
-                inner, fileio, rt.pipeline.job_id, spec.name, subtask, backend_id, rt._clock
+                inner, fileio, rt.pipeline.job_id, spec.name, subtask, backend_id, rt.clock
             )
             restore_full_backend(self.full, fileio, handles)
         self._fileio = fileio
@@ -254,7 +262,7 @@ class OperatorTask:
             self.full.materializer
             if self.full is not None
             else Materializer(
-                self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt._clock
+                self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt.clock
             )
         )
         self.function = spec.function()
@@ -265,7 +273,7 @@ class OperatorTask:
         self.materialization = MaterializationScheduler(
             self.materializer,
             MaterializationOptions(interval_s=rt.options.materialization_interval_s),
-            clock=rt._clock,
+            clock=rt.clock,
             name=self.name,
         )
         self.materializations = 0
@@ -276,7 +284,7 @@ class OperatorTask:
         try:
             self._run()
         except BaseException as exc:
-            self.rt._fail(exc)
+            self.rt.fail(exc)
         finally:
             self.materialization.close()
             if self.full is not None:
@@ -434,7 +442,7 @@ class SinkTask:
 
     def __init__(
         self,
-        rt: EmbeddedRuntime,
+        rt: JobEnv,
         gate: InputGate,
         fileio: FileIO,
         output_io: FileIO,
@@ -459,7 +467,7 @@ class SinkTask:
         try:
             self._run()
         except BaseException as exc:
-            self.rt._fail(exc)
+            self.rt.fail(exc)
 
     def _run(self) -> None:
         name = self.rt.pipeline.sink.name

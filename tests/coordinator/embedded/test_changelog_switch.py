@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import CompletedCheckpoint
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from coordinator.sink import read_output
 from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline, reference

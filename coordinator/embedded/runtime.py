@@ -25,21 +25,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from backends import localdirs
-from coordinator.channels import (
-    BarrierMode,
-    InputGate,
-)
 from coordinator.checkpoint import CheckpointCoordinator
-from coordinator.functions import Context, KeyedFunction, StateAccess
-from coordinator.metadata import CompletedCheckpoint, MetadataStore
-from coordinator.pipeline import (
-    OperatorSpec,
-    Pipeline,
-    RuntimeOptions,
-    SinkSpec,
-    SourceSpec,
-)
-from coordinator.tasks import (
+from coordinator.embedded.channels import InputGate
+from coordinator.embedded.pipeline import Pipeline
+from coordinator.embedded.tasks import (
+    JobEnv,
     Notify,
     OperatorTask,
     SinkTask,
@@ -49,6 +39,8 @@ from coordinator.tasks import (
     carries_in_flight,
     post_stop,
 )
+from coordinator.metadata import CompletedCheckpoint, MetadataStore
+from coordinator.options import BarrierMode, RuntimeOptions
 from dstl.changelog import ChangelogStorage
 from dstl.errors import (
     CheckpointError,
@@ -59,18 +51,7 @@ from dstl.fileio import FileIO
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Context",
-    "EmbeddedRuntime",
-    "KeyedFunction",
-    "OperatorSpec",
-    "Pipeline",
-    "RunResult",
-    "RuntimeOptions",
-    "SinkSpec",
-    "SourceSpec",
-    "StateAccess",
-]
+__all__ = ["EmbeddedRuntime", "RunResult"]
 
 
 @dataclass(slots=True)
@@ -174,17 +155,18 @@ class EmbeddedRuntime:
             latest = store.latest(p.job_id) if restore else None
         storage = ChangelogStorage(fileio, p.job_id, f"{o.worker}-a{attempt:04d}", o.changelog)
         mode = BarrierMode(o.barrier_mode)
+        env = JobEnv(p, o, self._clock, self._fail, self._source_finished)
         src_gates = [
             InputGate(p.source.parallelism, mode=mode) for _ in range(p.operator.parallelism)
         ]
         sink_gate = InputGate(p.operator.parallelism, mode=mode)
-        sources = [SourceTask(self, i, src_gates, latest) for i in range(p.source.parallelism)]
+        sources = [SourceTask(env, i, src_gates, latest) for i in range(p.source.parallelism)]
         started = self._clock()
         operators = [
-            OperatorTask(self, i, src_gates[i], sink_gate, storage, fileio, attempt, latest)
+            OperatorTask(env, i, src_gates[i], sink_gate, storage, fileio, attempt, latest)
             for i in range(p.operator.parallelism)
         ]
-        sink = SinkTask(self, sink_gate, fileio, output_io, latest)
+        sink = SinkTask(env, sink_gate, fileio, output_io, latest)
         restore_s = self._clock() - started if latest is not None else 0.0
         tasks: list[tuple[str, int]] = [(p.source.name, i) for i in range(p.source.parallelism)]
         tasks += [(p.operator.name, i) for i in range(p.operator.parallelism)]

@@ -1,6 +1,6 @@
 """One attempt of the soak job: prints a JSON line per completed checkpoint.
 
-``python -m tests.coordinator.soak_worker STORE LOCAL_DIR BACKEND`` runs the demo pipeline
+``python -m tests.coordinator.embedded.soak_worker STORE LOCAL_DIR BACKEND`` runs the demo pipeline
 (resuming from the latest checkpoint) with checkpoints every 10 ms, retention 3 and
 RocksDB (or heap) working directories under ``LOCAL_DIR``, until the parent kills it or
 the input ends.
@@ -12,8 +12,8 @@ import json
 import sys
 
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.metadata import CompletedCheckpoint
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
 from tools.demo_job import DemoConfig, pipeline
 
 CONFIG = DemoConfig(events_per_source=40_000, users=300, rate_per_source=300.0)

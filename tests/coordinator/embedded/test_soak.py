@@ -19,18 +19,25 @@ import pytest
 from coordinator.metadata import MetadataStore
 from coordinator.sink import read_output
 from dstl.fileio import FileIO
-from tests.coordinator.soak_worker import CONFIG
+from tests.coordinator.embedded.soak_worker import CONFIG
 from tools.cli import EXIT_OK, main
 from tools.demo_job import reference
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TARGET = 1000
 
 
 def _attempt(store: Path, local: Path, kill_after: int | None) -> tuple[int, bool]:
     """Run one attempt; kill it after ``kill_after`` checkpoints. (checkpoints, finished)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.coordinator.soak_worker", str(store), str(local), "rocksdb"],
+        [
+            sys.executable,
+            "-m",
+            "tests.coordinator.embedded.soak_worker",
+            str(store),
+            str(local),
+            "rocksdb",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.channels import (
+from coordinator.embedded.channels import (
     CONTROL,
     Barrier,
     BarrierMode,

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from coordinator.channels import BarrierMode
 from coordinator.checkpoint import CheckpointOptions
+from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
 from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint
-from coordinator.runtime import EmbeddedRuntime, RuntimeOptions
+from coordinator.options import BarrierMode
 from coordinator.sink import read_output
 from dstl.errors import ConfigError
 from dstl.fileio import FileIO
@@ -174,7 +174,7 @@ def test_runtime_with_postgresql_metadata(tmp_path: Path, postgres_url: str) -> 
 
 
 def test_restore_replays_channel_state_once_at_a_new_parallelism(tmp_path: Path) -> None:
-    from coordinator.channel_state import write_channel_state
+    from coordinator.embedded.channel_state import write_channel_state
     from coordinator.metadata import MetadataStore, SubtaskState
 
     config = DemoConfig(events_per_source=5, users=10, rate_per_source=None)
@@ -211,7 +211,7 @@ def test_final_checkpoint_with_in_flight_records_is_followed_by_another(
     # barrier at once, so the sink's final barrier overtakes operator 0's output.
     from backends.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for, subtask_for_key_group
     from backends.serializers import STR
-    from coordinator.channel_state import write_channel_state
+    from coordinator.embedded.channel_state import write_channel_state
     from coordinator.metadata import MetadataStore, SubtaskState
 
     config = DemoConfig(events_per_source=5, users=10, rate_per_source=None)
