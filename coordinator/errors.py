@@ -7,11 +7,12 @@
     └── SavepointError                   a savepoint could not be made self-contained
     MetadataStoreError
     └── SchemaVersionError               the database schema is newer than this code
+    SinkError                            a sink could not publish a committed transaction
 """
 
 from __future__ import annotations
 
-from dstl.errors import CheckpointError, MetadataStoreError
+from dstl.errors import CheckpointError, MetadataStoreError, StateBackendError
 
 
 class CheckpointTriggerRejectedError(CheckpointError):
@@ -24,3 +25,7 @@ class SavepointError(CheckpointError):
 
 class SchemaVersionError(MetadataStoreError):
     """The metadata schema is newer than this code knows; it is never downgraded."""
+
+
+class SinkError(StateBackendError):
+    """A sink's target refused or failed a publish (the transaction stays staged)."""
