@@ -1,7 +1,7 @@
 """The keyed function API, shared by both hosts (the embedded runtime and the Spark host).
 
 A pipeline author writes a keyed function once; the embedded runtime
-(:mod:`coordinator.embedded.runtime`) and the Spark host (``coordinator/spark/``) run it unchanged.
+(:mod:`coordinator.embedded`) and the Spark host (``coordinator/spark/``) run it unchanged.
 Its shape is Flink's ``KeyedProcessFunction`` and reads like PySpark's
 ``StatefulProcessor`` (``init`` with a handle, rows of a key, timers)::
 
@@ -25,14 +25,18 @@ state, and each fires exactly once per committed run (the firing and its output 
 the same checkpoint). Event-time timers fire when the watermark passes them,
 processing-time timers when the host's clock does; timestamps are epoch milliseconds.
 
+A two-input keyed function (:class:`KeyedCoFunction`, the embedded runtime's ``connect``)
+has ``process1`` and ``process2`` instead of ``process``, one per input, and shares its
+state and timers between them.
+
 :class:`KeyedRunner` is the host side: it owns the function, its backend's two timer
 services and the context, and is driven by the host's task thread (``process``,
-``advance_watermark``, ``advance_processing_time``).
+``process_keyed``, ``advance_watermark``, ``advance_processing_time``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from backends.state import StateDescriptor
@@ -105,6 +109,29 @@ class KeyedFunction(Protocol):
     def process(self, key: Any, value: Any, ctx: Context) -> None:
         """Handle one record of ``key`` (the backend's current key is already ``key``)."""
         ...
+
+
+class KeyedCoFunction(Protocol):
+    """User logic of a two-input keyed operator: records of the first input go to
+    ``process1``, of the second to ``process2``; ``on_timer`` as in :class:`KeyedFunction`.
+    Called on its task thread only."""
+
+    def open(self, state: StateAccess) -> None:
+        """Declare states (called once, after restore)."""
+        ...
+
+    def process1(self, key: Any, value: Any, ctx: Context) -> None:
+        """Handle one record of the first input."""
+        ...
+
+    def process2(self, key: Any, value: Any, ctx: Context) -> None:
+        """Handle one record of the second input."""
+        ...
+
+
+KeyedRecord = tuple[Any, bytes, int, Any, "int | None"]
+"""A record routed by key: ``(key, key_bytes, key_group, value, timestamp)``. The host
+serialized and hashed the key once, to route it; the backend takes the bytes as they are."""
 
 
 class _RunnerContext:
@@ -185,6 +212,26 @@ class KeyedRunner:
         ctx = self.context
         ctx.key, ctx.timestamp, ctx.time_domain, ctx.emit = key, timestamp, None, emit
         self.function.process(key, value, ctx)
+
+    def process_keyed(
+        self,
+        records: Iterable[KeyedRecord],
+        emit: Callable[[Any], None],
+        handler: Callable[[Any, Any, Any], None] | None = None,
+    ) -> None:
+        """Records keyed upstream (:data:`KeyedRecord`), each to ``handler`` (default: the
+        function's ``process``; ``process1``/``process2`` of a two-input function) with
+        the key bytes and group as given: the key is not serialized or hashed again.
+        The caller routed them here, so their groups are this backend's."""
+        handle = self.function.process if handler is None else handler
+        set_raw = self.backend.set_current_key_raw
+        ctx = self.context
+        ctx.time_domain, ctx.emit = None, emit
+        for key, key_bytes, key_group, value, timestamp in records:
+            set_raw(key, key_bytes, key_group)
+            ctx.key = key
+            ctx.timestamp = timestamp
+            handle(key, value, ctx)
 
     def advance_watermark(self, watermark: int, emit: Callable[[Any], None]) -> int:
         """Move the watermark to ``watermark`` (if later) and fire the event-time timers

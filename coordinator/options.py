@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from coordinator.checkpoint import CheckpointOptions
 from coordinator.metadata import MetadataStore
 from dstl.changelog import ChangelogOptions
 from dstl.errors import ConfigError
 from dstl.fileio import FileIO
+from dstl.options import Converter, boolean, optional_float, parse_dotted
 
 
 class BarrierMode(StrEnum):
@@ -28,7 +29,18 @@ class BarrierMode(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RuntimeOptions:
-    """Where state goes and how often it is checkpointed and materialized."""
+    """Where state goes and how often it is checkpointed and materialized.
+
+    Dotted keys (:meth:`from_dict`): ``checkpoint.*`` (:class:`CheckpointOptions`),
+    ``dstl.*`` (:class:`~dstl.changelog.ChangelogOptions`), and
+    ``checkpoint.barrier-mode`` (aligned, unaligned, at-least-once),
+    ``checkpoint.aligned-timeout-s`` (aligned: after this long since the trigger an
+    alignment switches to unaligned for that checkpoint; ``none``: never),
+    ``buffer-debloat.target-s`` (in-flight data per input kept to this many seconds of
+    measured throughput; ``none``: only the fixed bound), ``buffer.max-records`` (the
+    fixed bound of a task's input), ``source.batch``, ``state.backend``,
+    ``state.changelog``, ``state.local-dir``, ``materialization.interval-s``.
+    """
 
     store_url: str
     metadata_url: str | None = None
@@ -41,7 +53,43 @@ class RuntimeOptions:
     local_dir: str | None = None  # working directories of RocksDB stores (default: temp)
     source_batch: int = 256
     worker: str = "w0"
-    barrier_mode: BarrierMode = BarrierMode.ALIGNED  # dotted key: checkpoint.barrier-mode
+    barrier_mode: BarrierMode = BarrierMode.ALIGNED
+    aligned_timeout_s: float | None = None
+    debloat_target_s: float | None = 1.0
+    buffer_max_records: int = 16_384
+
+    KEYS: ClassVar[dict[str, tuple[str, Converter]]] = {
+        "checkpoint.barrier-mode": ("barrier_mode", str),
+        "checkpoint.aligned-timeout-s": ("aligned_timeout_s", optional_float),
+        "buffer-debloat.target-s": ("debloat_target_s", optional_float),
+        "buffer.max-records": ("buffer_max_records", int),
+        "source.batch": ("source_batch", int),
+        "state.backend": ("state_backend", str),
+        "state.changelog": ("changelog_enabled", boolean),
+        "state.local-dir": ("local_dir", str),
+        "materialization.interval-s": ("materialization_interval_s", float),
+    }
+
+    @classmethod
+    def from_dict(cls, store_url: str, values: dict[str, Any], **fields: Any) -> RuntimeOptions:
+        """Options for ``store_url`` from documented dotted keys (strings parse);
+        ``fields`` set the rest. Unknown keys are a :class:`ConfigError`."""
+        own = {k: v for k, v in values.items() if k in cls.KEYS}
+        checkpoint = {
+            k: v for k, v in values.items() if k.startswith("checkpoint.") and k not in own
+        }
+        dstl = {k: v for k, v in values.items() if k.startswith("dstl.")}
+        other = set(values) - set(own) - set(checkpoint) - set(dstl)
+        if other:
+            raise ConfigError(
+                f"unknown option(s) {sorted(other)}; known: {sorted(cls.KEYS)}, checkpoint.*, dstl.*"
+            )
+        parsed = parse_dotted(cls.KEYS, own, "runtime")
+        if checkpoint:
+            parsed["checkpoint"] = CheckpointOptions.from_dict(checkpoint)
+        if dstl:
+            parsed["changelog"] = ChangelogOptions.from_dict(dstl)
+        return cls(store_url, **{**fields, **parsed})
 
     def __post_init__(self) -> None:
         if self.materialization_interval_s <= 0 or self.source_batch < 1:
@@ -49,10 +97,22 @@ class RuntimeOptions:
         if self.state_backend not in ("heap", "rocksdb"):
             raise ConfigError(f"state.backend must be heap or rocksdb, not {self.state_backend!r}")
         try:
-            BarrierMode(self.barrier_mode)
+            mode = BarrierMode(self.barrier_mode)
         except ValueError as exc:
             modes = ", ".join(m.value for m in BarrierMode)
             raise ConfigError(f"checkpoint.barrier-mode must be one of {modes}") from exc
+        object.__setattr__(self, "barrier_mode", mode)  # a plain string becomes the enum
+        if self.aligned_timeout_s is not None:
+            if self.aligned_timeout_s < 0:
+                raise ConfigError("checkpoint.aligned-timeout-s must be >= 0")
+            if mode is not BarrierMode.ALIGNED:
+                raise ConfigError(
+                    "checkpoint.aligned-timeout-s applies to aligned checkpoints only"
+                )
+        if self.debloat_target_s is not None and self.debloat_target_s <= 0:
+            raise ConfigError("buffer-debloat.target-s must be > 0 (or none)")
+        if self.buffer_max_records < 1:
+            raise ConfigError("buffer.max-records must be >= 1")
 
     def metadata_store(self, create: bool = True) -> MetadataStore:
         """The metadata store: ``metadata_url``, else SQLite inside a local store."""
