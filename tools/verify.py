@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from backends.handles import KeyedStateHandle, MaterializationHandle, StateFileH
 from backends.restore import _file_name
 from backends.rocksdb import META_FILE, decode_metadata
 from backends.tables import parquet_to_table, table_meta
+from coordinator.embedded.channel_state import check_channel_state
 from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 from coordinator.metadata import CompletedCheckpoint
 from dstl.errors import CorruptionError, StorageNotFoundError
@@ -96,11 +96,7 @@ def _check_format(data: bytes, url: str, use: Any) -> None:
         for line in lines:
             json.loads(line)
     elif isinstance(use, ChannelStateHandle):
-        head = data[:8]
-        if head != b"CSTATE1\n" or len(data) < 12:
-            raise CorruptionError("not a channel state file", url)
-        if zlib.crc32(data[12:]) != int.from_bytes(data[8:12], "big"):
-            raise CorruptionError("channel state checksum mismatch", url)
+        check_channel_state(data, url)
 
 
 def _check_handles(cp: CompletedCheckpoint) -> Iterator[Problem]:

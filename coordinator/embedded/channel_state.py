@@ -9,8 +9,11 @@ state file belongs to exactly one checkpoint and is never reused by a later one:
 only kind of file the coordinator deletes for an aborted checkpoint (see
 :func:`coordinator.checkpoint.checkpoint_private_files`).
 
-File format: ``CSTATE1\\n`` + crc32 (4 bytes, big endian) + a pickle of the record
-batches. The store is as trusted as the state itself.
+File format: ``CSTATE2\\n`` + crc32 (4 bytes, big endian) + a pickle of the
+``(input, batch)`` entries (records as the channel carried them: keyed records with their
+key bytes and group, so a rescaled restore filters them without hashing again).
+``CSTATE1`` files (batches only, one input) are still read. The store is as trusted as
+the state itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pickle
 import struct
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator.handles import ChannelStateHandle
@@ -27,7 +31,20 @@ from dstl.errors import CorruptionError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash, read_verified
 
-_MAGIC = b"CSTATE1\n"
+_MAGIC = b"CSTATE2\n"
+_LEGACY = b"CSTATE1\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelState:
+    """What a channel state file holds: ``(input, batch)`` entries in delivery order.
+
+    ``legacy``: a file of the single-input runtime (``CSTATE1``): batches of ``(key,
+    value)`` pairs (operator) or rows (sink), every one on input 0; the task converts
+    them to its record shape."""
+
+    entries: list[tuple[int, list[Any]]]
+    legacy: bool = False
 
 
 def write_channel_state(
@@ -36,34 +53,46 @@ def write_channel_state(
     operator: str,
     subtask: int,
     checkpoint_id: int,
-    batches: Sequence[Any],
+    entries: Sequence[tuple[int, list[Any]]],
 ) -> ChannelStateHandle:
-    """Durably write the in-flight batches (write-once) and return their handle."""
-    body = pickle.dumps(list(batches), protocol=pickle.HIGHEST_PROTOCOL)
+    """Durably write the in-flight ``(input, batch)`` entries (write-once); their handle."""
+    body = pickle.dumps(list(entries), protocol=pickle.HIGHEST_PROTOCOL)
     data = _MAGIC + struct.pack(">I", zlib.crc32(body)) + body
     path = layout.channel_state_path(job, operator, subtask, checkpoint_id)
     fileio.write_new(path, data)
-    records = sum(len(b) if isinstance(b, list | tuple) else 1 for b in batches)
+    records = sum(len(batch) for _, batch in entries)
     return ChannelStateHandle(
         path, checkpoint_id, operator, subtask, records, len(data), content_hash(data)
     )
 
 
-def read_channel_state(fileio: FileIO, handle: ChannelStateHandle) -> list[Any]:
-    """The batches of ``handle``; :class:`CorruptionError` on a bad file."""
-    data = read_verified(fileio, handle.file_refs()[0])
-    url = fileio.url(fileio.relative(handle.location))
+def check_channel_state(data: bytes, url: str) -> tuple[bytes, bool]:
+    """The pickled body of a channel state file and whether it is a legacy one, after
+    checking its header and checksum (nothing is unpickled: tools call this too)."""
     head = len(_MAGIC)
-    if len(data) < head + 4 or not data.startswith(_MAGIC):
+    legacy = data.startswith(_LEGACY)
+    if len(data) < head + 4 or not (legacy or data.startswith(_MAGIC)):
         raise CorruptionError("not a channel state file", url)
     (crc,) = struct.unpack(">I", data[head : head + 4])
     body = data[head + 4 :]
     if zlib.crc32(body) != crc:
         raise CorruptionError("channel state checksum mismatch", url)
+    return body, legacy
+
+
+def read_channel_state(fileio: FileIO, handle: ChannelStateHandle) -> ChannelState:
+    """The entries of ``handle``; :class:`CorruptionError` on a bad file."""
+    data = read_verified(fileio, handle.file_refs()[0])
+    url = fileio.url(fileio.relative(handle.location))
+    body, legacy = check_channel_state(data, url)
     try:
-        batches = pickle.loads(body)
+        entries = pickle.loads(body)
     except Exception as exc:  # pickle raises many types on bad bytes
         raise CorruptionError(f"unreadable channel state: {exc}", url) from exc
-    if not isinstance(batches, list):
+    if not isinstance(entries, list):
         raise CorruptionError("channel state is not a list of batches", url)
-    return batches
+    if legacy:
+        return ChannelState([(0, list(batch)) for batch in entries], legacy=True)
+    if not all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], list) for e in entries):
+        raise CorruptionError("channel state entries are not (input, batch) pairs", url)
+    return ChannelState(entries)

@@ -1,536 +1,396 @@
-"""The task threads of the embedded runtime: sources, keyed operators, the sink.
+"""The task threads of the embedded runtime: sources and stream tasks.
 
-Each task owns its thread, its input gate and (operators) its state backend,
-materialization scheduler and user function. Tasks talk to the coordinator only through
-its thread-safe ``acknowledge``/``decline``, and receive triggers, notifications and the
-stop message as control elements of their inboxes.
+A :class:`SourceTask` reads a replayable source, stamps event time, emits watermarks and
+injects barriers when the coordinator triggers a checkpoint. A :class:`StreamTask` reads
+its input gate and runs an operator (keyed, two-input keyed, or a sink), forwards
+watermarks and barriers, snapshots, and acknowledges. Each task owns its thread, its
+reader or gate, its operator and its :class:`~coordinator.embedded.writer.RecordWriter`;
+tasks talk to the coordinator only through its thread-safe ``acknowledge``/``decline``,
+and receive triggers, notifications and the stop message as control messages.
+
+A task blocked on a full downstream inbox still takes a checkpoint that need not wait for
+its input (an unaligned barrier, an alignment that timed out): the writer's wait hook
+asks the gate (:meth:`~coordinator.embedded.gate.InputGate.urgent`), or a source its
+control queue, and snapshots right there, between two sends of a flush.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
-from backends.changelog import ChangelogKeyedStateBackend
-from backends.handles import KeyedStateHandle
-from backends.heap import HeapKeyedStateBackend
-from backends.keygroups import (
-    KeyGroupRange,
-    key_group_for,
-    subtask_for_key_group,
-)
-from backends.restore import restore_changelog_backend
-from backends.rocksdb import RocksDBKeyedStateBackend
 from coordinator.checkpoint import CheckpointCoordinator
-from coordinator.embedded.channel_state import read_channel_state, write_channel_state
+from coordinator.embedded.channel_state import ChannelState, write_channel_state
 from coordinator.embedded.channels import (
     CONTROL,
     Barrier,
     CancelledBarrier,
+    EndOfInput,
     InFlightData,
-    InputGate,
+    Watermark,
 )
-from coordinator.embedded.pipeline import Pipeline
-from coordinator.functions import KeyedRunner
-from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
+from coordinator.embedded.gate import InputGate
+from coordinator.embedded.operators import Notify, Operator
+from coordinator.embedded.pipeline import SourceNode
+from coordinator.embedded.sources import MAX_WATERMARK, SourceReader
+from coordinator.embedded.writer import RecordWriter
+from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint, SubtaskState
 from coordinator.options import BarrierMode, RuntimeOptions
-from coordinator.sink import TransactionalFileSink, commit
-from dstl.changelog import ChangelogStorage
-from dstl.errors import (
-    ConfigError,
-)
 from dstl.fileio import FileIO
-from materializer import (
-    FullSnapshotCheckpointer,
-    MaterializationOptions,
-    MaterializationScheduler,
-    Materializer,
-    restore_full_backend,
-)
 
-log = logging.getLogger(__name__)
-
-
-def _wall_ms() -> int:
-    """The processing-time clock of keyed functions: epoch milliseconds."""
-    return time.time_ns() // 1_000_000
+URGENT_POLL_S = 0.002
+"""How often a task blocked on output checks for an urgent checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
 class JobEnv:
-    """What every task of one run shares: the job, its options, the clock and the
-    runtime's callbacks (``fail`` and ``source_finished`` are thread-safe)."""
+    """What every task of one run shares: the job, its options, the clocks, the store,
+    the coordinator and the runtime's callbacks (``fail``, ``source_finished``: any
+    thread)."""
 
-    pipeline: Pipeline
+    job_id: str
     options: RuntimeOptions
     clock: Callable[[], float]
+    fileio: FileIO
+    coordinator: CheckpointCoordinator
     fail: Callable[[BaseException], None]
     source_finished: Callable[[], None]
+
+    def urgent_capable(self) -> bool:
+        """Whether a checkpoint may have to start while a task is blocked on output."""
+        o = self.options
+        return o.barrier_mode is BarrierMode.UNALIGNED or (
+            o.barrier_mode is BarrierMode.ALIGNED and o.aligned_timeout_s is not None
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Trigger:
-    checkpoint_id: int
+    """Start checkpoint ``checkpoint_id`` (triggered at ``triggered_at``, runtime clock)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Notify:
     checkpoint_id: int
-    completed: bool
-    known_abort: bool = False  # an abort whose record surely did not land
+    triggered_at: float
 
 
 class Stop:
-    pass
+    """End the task now."""
 
 
-def post_stop(gate: InputGate, thread: threading.Thread) -> None:
-    """Deliver a stop message unless the receiving thread is already gone."""
-    while thread.is_alive():
-        try:
-            gate.inbox.put((CONTROL, Stop()), timeout=0.05)
-            return
-        except queue.Full:
-            continue
+class Finish:
+    """A source stops reading (a graceful stop); the job then takes its final checkpoint."""
 
 
 class SourceTask:
-    """One source subtask. Its own thread; talks to the coordinator via acks."""
+    """One source subtask. Its own thread; ``control`` is its mailbox (any thread puts)."""
 
     def __init__(
         self,
-        rt: JobEnv,
+        env: JobEnv,
+        node: SourceNode,
         subtask: int,
-        outputs: list[InputGate],
+        writer: RecordWriter,
         latest: CompletedCheckpoint | None,
     ) -> None:
-        spec = rt.pipeline.source
-        self.rt = rt
+        self.env = env
+        self.node = node
         self.subtask = subtask
-        self.name = f"{spec.name}-{subtask}"
-        self.outputs = outputs
+        self.name = f"{node.name}-{subtask}"
+        self.writer = writer
         self.control: queue.Queue[Any] = queue.Queue()
-        self.coordinator: CheckpointCoordinator | None = None
-        self.offset = 0
-        if latest is not None:
-            states = latest.states_of(spec.name)
-            if len(states) != spec.parallelism:
-                raise ConfigError(
-                    f"checkpoint {latest.checkpoint_id} has {len(states)} subtasks of source "
-                    f"{spec.name!r}; the pipeline declares {spec.parallelism}"
-                )
-            self.offset = int(states[subtask].offset or 0)
-        op = rt.pipeline.operator
-        self._key_ser = op.key_serializer
-        self._route = (op.parallelism, op.max_parallelism)
-
-    def _handle(self, msg: Any) -> bool:
-        if isinstance(msg, Stop):
-            return False
-        if isinstance(msg, Trigger):
-            for gate in self.outputs:
-                gate.put(self.subtask, Barrier(msg.checkpoint_id))
-            assert self.coordinator is not None
-            spec = self.rt.pipeline.source
-            self.coordinator.acknowledge(
-                msg.checkpoint_id, SubtaskState(spec.name, self.subtask, offset=self.offset)
-            )
-        return True
+        states = latest.states_of(node.name) if latest is not None else []
+        restored = [s.offset for s in states] if states else None
+        self.reader: SourceReader = node.source.open(subtask, node.parallelism, restored)
+        self._unaligned = env.options.barrier_mode is BarrierMode.UNALIGNED
+        if self._unaligned:
+            writer.on_wait, writer.poll_s = self._while_blocked, URGENT_POLL_S
+        self._stash: deque[Any] = deque()
+        self._done = False
+        self._max_ts: int | None = None
+        self._watermark: int | None = None
+        self._emitted = 0
 
     def run(self) -> None:
+        """The thread's body."""
         try:
             self._run()
         except BaseException as exc:
-            self.rt.fail(exc)
+            self.env.fail(exc)
+        finally:
+            self.reader.close()
 
     def _run(self) -> None:
-        spec = self.rt.pipeline.source
-        batch_size = self.rt.options.source_batch
-        records = spec.open(self.subtask, spec.parallelism, self.offset)
-        start, start_offset = time.monotonic(), self.offset
-        parallelism, max_par = self._route
-        serialize = self._key_ser.serialize
-        exhausted = False
+        batch_size = self.env.options.source_batch
+        started = time.monotonic()
+        while True:
+            if not self._poll(None if self._done else 0):
+                return
+            if self._done:
+                continue
+            batch = self.reader.read(min(batch_size, self.writer.batch_hint()))
+            if batch is None:
+                self._finish(final_watermark=True)
+            elif not batch:  # an unbounded source with nothing right now
+                if not self._poll(0.01):
+                    return
+            else:
+                self._emit(batch)
+                if self.node.rate_per_s and not self._pace(started):
+                    return
+
+    def _poll(self, timeout: float | None) -> bool:
+        """Handle mailbox messages (waiting up to ``timeout`` for the first); False: stop."""
+        while True:
+            if self._stash:
+                msg = self._stash.popleft()
+            else:
+                try:
+                    msg = (
+                        self.control.get(timeout=timeout)
+                        if timeout != 0
+                        else self.control.get_nowait()
+                    )
+                except queue.Empty:
+                    return True
+            timeout = 0
+            if isinstance(msg, Stop):
+                return False
+            if isinstance(msg, Trigger):
+                self._trigger(msg)
+            elif isinstance(msg, Finish):
+                self._finish(final_watermark=False)
+
+    def _pace(self, started: float) -> bool:
+        # Pacing a generated source: wait on the mailbox, not in a sleep, so a checkpoint
+        # trigger is handled at once (a sleep of a whole batch at a low rate delayed every
+        # barrier by up to that long: 0.85 s at 300 records/s).
+        assert self.node.rate_per_s
+        while (ahead := self._emitted / self.node.rate_per_s - (time.monotonic() - started)) > 0:
+            try:
+                msg = self.control.get(timeout=ahead)
+            except queue.Empty:
+                return True
+            self._stash.append(msg)
+            if not self._poll(0):
+                return False
+            if self._done:
+                return True
+        return True
+
+    def _emit(self, batch: list[Any]) -> None:
+        strategy = self.node.watermarks
+        if strategy is None:
+            self.writer.write([(r, None) for r in batch])
+            self.writer.flush()
+        else:
+            stamp = strategy.timestamp
+            pairs = [(r, stamp(r)) for r in batch]
+            self.writer.write(pairs)
+            self.writer.flush()
+            high = max(ts for _, ts in pairs)
+            if self._max_ts is None or high > self._max_ts:
+                self._max_ts = high
+                self._broadcast_watermark(strategy.watermark(high))
+        self._emitted += len(batch)
+
+    def _broadcast_watermark(self, watermark: int) -> None:
+        if self._watermark is None or watermark > self._watermark:
+            self._watermark = watermark
+            self.writer.broadcast(Watermark(watermark))
+
+    def _finish(self, final_watermark: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        if final_watermark:  # a bounded input ended: every event-time timer is due
+            self._broadcast_watermark(MAX_WATERMARK)
+        self.writer.flush()
+        self.env.source_finished()
+
+    def _trigger(self, msg: Trigger) -> None:
+        barrier = Barrier(msg.checkpoint_id, msg.triggered_at, self._unaligned)
+        position = self.reader.position()
+        if self._unaligned:
+            self.writer.broadcast_priority(barrier)
+        else:
+            self.writer.broadcast(barrier)
+        self.env.coordinator.acknowledge(
+            msg.checkpoint_id, SubtaskState(self.node.name, self.subtask, offset=position)
+        )
+
+    def _while_blocked(self) -> None:
+        """Wait hook (unaligned): a trigger starts its checkpoint now, the records read so
+        far (the blocked batch too) before its barrier; other messages wait."""
         while True:
             try:
-                while True:
-                    if not self._handle(self.control.get(block=exhausted)):
-                        return
+                msg = self.control.get_nowait()
             except queue.Empty:
-                pass
-            batch = list(islice(records, batch_size))
-            if not batch:
-                exhausted = True
-                self.rt.source_finished()
-                continue
-            routed: dict[int, list[tuple[Any, Any]]] = {}
-            for rec in batch:
-                target = subtask_for_key_group(
-                    key_group_for(serialize(rec[0]), max_par), parallelism, max_par
-                )
-                routed.setdefault(target, []).append(rec)
-            for target, recs in routed.items():
-                self.outputs[target].put(self.subtask, recs)
-            self.offset += len(batch)
-            if spec.rate_per_s:
-                # Pacing a generated source: wait on the control queue, not in a sleep, so a
-                # checkpoint trigger is handled at once (a sleep of a whole batch at a low
-                # rate delayed every barrier by up to that long: 0.85 s at 300 records/s).
-                while (
-                    ahead := (self.offset - start_offset) / spec.rate_per_s
-                    - (time.monotonic() - start)
-                ) > 0:
-                    try:
-                        msg = self.control.get(timeout=ahead)
-                    except queue.Empty:
-                        break
-                    if not self._handle(msg):
-                        return
+                return
+            if isinstance(msg, Trigger):
+                self._trigger(msg)
+            else:
+                self._stash.append(msg)
 
 
-class OperatorTask:
-    """One keyed operator subtask: its backend, materializer and user function.
+class StreamTask:
+    """One subtask of a keyed operator or a sink: its gate, operator and writer.
 
-    Task thread only, except ``_uploader`` (materialization uploads) and the backend's
-    checkpoint future callbacks, which only talk to the coordinator's thread-safe inbox.
+    Task thread only, except the operator's asynchronous snapshot, whose completion only
+    calls the coordinator's thread-safe ``acknowledge``/``decline``.
     """
 
     def __init__(
         self,
-        rt: JobEnv,
+        env: JobEnv,
+        name: str,
         subtask: int,
         gate: InputGate,
-        sink_gate: InputGate,
-        storage: ChangelogStorage,
-        fileio: FileIO,
-        attempt: int,
-        latest: CompletedCheckpoint | None,
+        writer: RecordWriter,
+        operator: Operator,
+        replay: list[ChannelState],
     ) -> None:
-        spec = rt.pipeline.operator
-        self.rt = rt
+        self.env = env
+        self.node_name = name
         self.subtask = subtask
-        self.name = f"{spec.name}-{subtask}"
+        self.name = f"{name}-{subtask}"
         self.gate = gate
-        self.sink_gate = sink_gate
-        self.coordinator: CheckpointCoordinator | None = None
-        kgr = KeyGroupRange.for_subtask(subtask, spec.parallelism, spec.max_parallelism)
-        backend_id = f"{spec.name}-{subtask}-a{attempt:04d}"
-        inner: HeapKeyedStateBackend | RocksDBKeyedStateBackend
-        if rt.options.state_backend == "rocksdb":
-            local = rt.options.local_dir
-            path = None if local is None else os.path.join(local, rt.pipeline.job_id, backend_id)
-            inner = RocksDBKeyedStateBackend(
-                spec.key_serializer, kgr, spec.max_parallelism, path=path
-            )
-        else:
-            inner = HeapKeyedStateBackend(spec.key_serializer, kgr, spec.max_parallelism)
-        self.inner = inner
-        self.final_entries = 0
-        handles = (
-            []
-            if latest is None
-            else [
-                h
-                for s in latest.states_of(spec.name)
-                for h in s.handles
-                if isinstance(h, KeyedStateHandle)
-            ]
-        )
-        self.backend: ChangelogKeyedStateBackend | FullSnapshotCheckpointer
-        self.full: FullSnapshotCheckpointer | None = None
-        if rt.options.changelog_enabled:
-            self.backend = ChangelogKeyedStateBackend(inner, storage.create_writer(backend_id))
-            restore_changelog_backend(self.backend, fileio, handles)
-        else:  # restores changelog and full checkpoints alike
-            self.backend = self.full = FullSnapshotCheckpointer(
-                inner, fileio, rt.pipeline.job_id, spec.name, subtask, backend_id, rt.clock
-            )
-            restore_full_backend(self.full, fileio, handles)
-        self._fileio = fileio
-        self._replay = in_flight_of(fileio, latest, spec.name)
-        self._unaligned: dict[int, tuple[Future[KeyedStateHandle], float]] = {}
-        self.materializer = (
-            self.full.materializer
-            if self.full is not None
-            else Materializer(
-                self.backend, fileio, rt.pipeline.job_id, spec.name, subtask, rt.clock
-            )
-        )
-        self.function = spec.function()
-        self.runner = KeyedRunner(self.function, self.backend, _wall_ms)
-        self.runner.open()
-        # Periodic, jittered, skipped when idle or in flight; fails the task after
-        # max_consecutive_failures failures in a row. Uploads on its own named thread.
-        self.materialization = MaterializationScheduler(
-            self.materializer,
-            MaterializationOptions(interval_s=rt.options.materialization_interval_s),
-            clock=rt.clock,
-            name=self.name,
-        )
-        self.materializations = 0
-        self._reported_materialization = 0  # id of the last one put into checkpoint stats
-        self._materialization_stats: dict[str, Any] | None = None
+        self.writer = writer
+        self.operator = operator
+        self._replay = replay
+        self._unaligned: dict[int, tuple[Future[tuple[Any, ...]], float, dict[str, Any]]] = {}
+        if env.urgent_capable():
+            writer.on_wait, writer.poll_s = self._while_blocked, URGENT_POLL_S
 
     def run(self) -> None:
+        """The thread's body."""
         try:
             self._run()
         except BaseException as exc:
-            self.rt.fail(exc)
+            self.env.fail(exc)
         finally:
-            self.materialization.close()
-            if self.full is not None:
-                self.full.close()
-            self.final_entries = self.inner.entry_count()
-            self.inner.close()
-            if isinstance(self.backend, ChangelogKeyedStateBackend):
-                self.backend.writer.close()  # frees its change buffers now, not at a GC
+            self.operator.close()
 
-    def _replay_in_flight(self) -> None:
-        """Process the restored in-flight records of this subtask's key groups first."""
-        spec = self.rt.pipeline.operator
-        mine = KeyGroupRange.for_subtask(self.subtask, spec.parallelism, spec.max_parallelism)
-        serialize = spec.key_serializer.serialize
-        out: list[Any] = []
-        for batch in self._replay:
-            for key, value in batch:
-                if key_group_for(serialize(key), spec.max_parallelism) in mine:
-                    self.runner.process(key, value, None, out.append)
+    def _flush_output(self) -> None:
+        out = self.operator.out
         if out:
-            self.sink_gate.put(self.subtask, out)
-        self._replay = []
+            self.writer.write(out)
+            out.clear()
+        self.writer.flush()
 
     def _run(self) -> None:
-        self._replay_in_flight()
-        runner = self.runner
-        out: list[Any] = []
-        emit = out.append
-        set_key = self.backend.set_current_key
-        process = self.function.process
-        ctx = runner.context  # set up per batch, not per record: the hot path
-        ctx.timestamp, ctx.time_domain = None, None
+        op, gate = self.operator, self.gate
+        for state in self._replay:  # restored in-flight records before any new input
+            op.replay(state)
+            self._flush_output()
+        self._replay = []
+        inputs = gate.inputs
         while True:
-            if self.full is None and self.materialization.run_once() is not None:
-                self.materializations += 1
-            runner.advance_processing_time(_wall_ms(), emit)
-            item = self.gate.next(timeout=0.05)
+            op.tick()
+            if op.out:
+                self._flush_output()
+            item = gate.next(timeout=0.05)
             if item is None:
-                if out:
-                    self.sink_gate.put(self.subtask, out)
-                    out = []
-                    emit = out.append
                 continue
             channel, element = item
             if channel != CONTROL:
-                ctx.emit, ctx.timestamp, ctx.time_domain = emit, None, None
-                for key, value in element:
-                    set_key(key)
-                    ctx.key = key
-                    process(key, value, ctx)
-                if out:
-                    self.sink_gate.put(self.subtask, out)
-                    out = []
-                    emit = out.append
+                if not isinstance(element, EndOfInput):
+                    op.process(inputs[channel], element)
+                    self._flush_output()
                 continue
             if isinstance(element, Stop):
                 return
-            if isinstance(element, Barrier):
-                self._checkpoint(element.checkpoint_id)
-            elif isinstance(element, InFlightData):
-                self._in_flight_done(element)
-            elif isinstance(element, Notify):
-                self._notified(element)
-            elif isinstance(element, CancelledBarrier):
-                self._unaligned.pop(element.checkpoint_id, None)
-                assert self.coordinator is not None
-                self.coordinator.decline(
-                    element.checkpoint_id,
-                    (self.rt.pipeline.operator.name, self.subtask),
-                    "alignment cancelled",
-                )
+            self._control(element)
 
-    def _notified(self, message: Notify) -> None:
-        if self.full is not None:
-            if message.completed:
-                self.full.notify_checkpoint_complete(message.checkpoint_id)
-            else:
-                self.full.notify_checkpoint_aborted(message.checkpoint_id)
-        elif isinstance(self.backend, ChangelogKeyedStateBackend):
-            if message.completed:
-                self.backend.writer.confirm(message.checkpoint_id)
-                self.materialization.on_checkpoint_complete(message.checkpoint_id)
-            elif message.known_abort:
-                self.backend.writer.reset(message.checkpoint_id)
-                self.materialization.on_checkpoint_aborted(message.checkpoint_id)
+    def _control(self, element: Any) -> None:
+        if isinstance(element, Watermark):
+            self.operator.on_watermark(element.timestamp)
+            self._flush_output()
+            self.writer.broadcast(element)
+        elif isinstance(element, Barrier):
+            self._checkpoint(element)
+        elif isinstance(element, InFlightData):
+            self._in_flight_done(element)
+        elif isinstance(element, Notify):
+            self.operator.notified(element)
+        elif isinstance(element, CancelledBarrier):
+            self._unaligned.pop(element.checkpoint_id, None)
+            self.gate.stats.pop(element.checkpoint_id, None)
+            self.env.coordinator.decline(
+                element.checkpoint_id, (self.node_name, self.subtask), "alignment cancelled"
+            )
 
-    def _checkpoint(self, checkpoint_id: int) -> None:
-        started = time.monotonic()
-        mat = self.materialization.last_applied if self.full is None else self.full.last_stats
-        if mat is not None and mat.materialization_id != self._reported_materialization:
-            self._reported_materialization = mat.materialization_id
-            self._materialization_stats = mat.to_dict()
+    def _while_blocked(self) -> None:
+        """Wait hook: snapshot for an urgent barrier while the output is blocked."""
+        barrier = self.gate.urgent()
+        if barrier is not None:
+            self._checkpoint(barrier)
+
+    def _checkpoint(self, barrier: Barrier) -> None:
+        cid = barrier.checkpoint_id
+        started = self.env.clock()
+        stats = {**self.gate.stats.pop(cid, {}), **self.operator.checkpoint_stats()}
+        future = self.operator.snapshot(cid)
+        if barrier.unaligned:
+            self.writer.broadcast_priority(barrier)
+            self._unaligned[cid] = (future, started, stats)  # acked with its in-flight data
         else:
-            self._materialization_stats = None
-        if self.full is None:
-            self.materialization.on_barrier(checkpoint_id)
-        future = self.backend.checkpoint(checkpoint_id)
-        self.sink_gate.put(self.subtask, Barrier(checkpoint_id))
-        if self.gate.mode is BarrierMode.UNALIGNED:
-            self._unaligned[checkpoint_id] = (future, started)  # acked with its in-flight data
-        else:
-            self._ack_when_done(checkpoint_id, future, started, ())
+            self.writer.broadcast(barrier)
+            self._ack_when_done(cid, future, started, stats, ())
 
     def _in_flight_done(self, data: InFlightData) -> None:
         entry = self._unaligned.pop(data.checkpoint_id, None)
         if entry is None:
             return
+        future, started, stats = entry
+        stats.update(self.gate.stats.pop(data.checkpoint_id, {}))
+        inputs = self.gate.inputs
+        entries = [(inputs[c], batch) for c, batch in data.batches if isinstance(batch, list)]
         extra: tuple[ChannelStateHandle, ...] = ()
-        if data.batches:
-            name = self.rt.pipeline.operator.name
-            extra = (
-                write_channel_state(
-                    self._fileio,
-                    self.rt.pipeline.job_id,
-                    name,
-                    self.subtask,
-                    data.checkpoint_id,
-                    [batch for _, batch in data.batches],
-                ),
+        if entries:
+            handle = write_channel_state(
+                self.env.fileio,
+                self.env.job_id,
+                self.node_name,
+                self.subtask,
+                data.checkpoint_id,
+                entries,
             )
-        self._ack_when_done(data.checkpoint_id, entry[0], entry[1], extra)
+            stats["channel_state_bytes"] = handle.size_bytes
+            extra = (handle,)
+        self._ack_when_done(data.checkpoint_id, future, started, stats, extra)
 
     def _ack_when_done(
         self,
         checkpoint_id: int,
-        future: Future[KeyedStateHandle],
+        future: Future[tuple[Any, ...]],
         started: float,
+        stats: dict[str, Any],
         extra: tuple[ChannelStateHandle, ...],
     ) -> None:
-        assert self.coordinator is not None
-        coordinator = self.coordinator
-        name = self.rt.pipeline.operator.name
-        mat_stats = self._materialization_stats  # read on the task thread
+        env, name, subtask = self.env, self.node_name, self.subtask
 
-        def done(f: Future[KeyedStateHandle]) -> None:
+        def done(f: Future[tuple[Any, ...]]) -> None:
             exc = f.exception()
             if exc is not None:
-                coordinator.decline(checkpoint_id, (name, self.subtask), str(exc))
+                env.coordinator.decline(checkpoint_id, (name, subtask), str(exc))
                 return
-            stats: dict[str, Any] = {"async_ms": round((time.monotonic() - started) * 1e3, 3)}
+            stats["async_ms"] = round((env.clock() - started) * 1e3, 3)
             if extra:
                 stats["in_flight_records"] = sum(h.records for h in extra)
-            if mat_stats is not None:  # the first checkpoint that references it
-                stats["materialization"] = mat_stats
-            coordinator.acknowledge(
-                checkpoint_id,
-                SubtaskState(name, self.subtask, (f.result(), *extra), stats=stats),
+            env.coordinator.acknowledge(
+                checkpoint_id, SubtaskState(name, subtask, (*f.result(), *extra), stats=stats)
             )
 
         future.add_done_callback(done)
 
 
-class SinkTask:
-    """The transactional sink subtask."""
-
-    def __init__(
-        self,
-        rt: JobEnv,
-        gate: InputGate,
-        fileio: FileIO,
-        output_io: FileIO,
-        latest: CompletedCheckpoint | None,
-    ) -> None:
-        spec = rt.pipeline.sink
-        self.rt = rt
-        self.name = f"{spec.name}-0"
-        self.gate = gate
-        self.coordinator: CheckpointCoordinator | None = None
-        if latest is not None:  # commit what the restored checkpoint pre-committed
-            for s in latest.states_of(spec.name):
-                for h in s.handles:
-                    if isinstance(h, SinkTransactionHandle):
-                        commit(fileio, output_io, h)
-        self.sink = TransactionalFileSink(fileio, output_io, rt.pipeline.job_id, spec.name, 0)
-        self._fileio = fileio
-        self._replay = in_flight_of(fileio, latest, spec.name)
-        self._unaligned: dict[int, tuple[SinkTransactionHandle, ...]] = {}
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:
-            self.rt.fail(exc)
-
-    def _run(self) -> None:
-        name = self.rt.pipeline.sink.name
-        for batch in self._replay:  # restored in-flight records before any new input
-            self.sink.write(batch)
-        self._replay = []
-        while True:
-            item = self.gate.next(timeout=0.1)
-            if item is None:
-                continue
-            channel, element = item
-            if channel != CONTROL:
-                self.sink.write(element)
-                continue
-            if isinstance(element, Stop):
-                return
-            assert self.coordinator is not None
-            if isinstance(element, Barrier):
-                staged = self.sink.pre_commit(element.checkpoint_id)
-                if self.gate.mode is BarrierMode.UNALIGNED:
-                    self._unaligned[element.checkpoint_id] = staged
-                else:
-                    self.coordinator.acknowledge(
-                        element.checkpoint_id, SubtaskState(name, 0, staged)
-                    )
-            elif isinstance(element, InFlightData):
-                staged = self._unaligned.pop(element.checkpoint_id, ())
-                handles: tuple[Any, ...] = staged
-                if element.batches:
-                    handles += (
-                        write_channel_state(
-                            self._fileio,
-                            self.rt.pipeline.job_id,
-                            name,
-                            0,
-                            element.checkpoint_id,
-                            [batch for _, batch in element.batches],
-                        ),
-                    )
-                self.coordinator.acknowledge(element.checkpoint_id, SubtaskState(name, 0, handles))
-            elif isinstance(element, CancelledBarrier):
-                self._unaligned.pop(element.checkpoint_id, None)
-                self.coordinator.decline(element.checkpoint_id, (name, 0), "alignment cancelled")
-            elif isinstance(element, Notify) and element.completed:
-                self.sink.commit_up_to(element.checkpoint_id)
-
-
-def carries_in_flight(checkpoint: CompletedCheckpoint) -> bool:
-    """Whether an (unaligned) checkpoint persisted in-flight records anywhere."""
-    return any(isinstance(h, ChannelStateHandle) for s in checkpoint.subtasks for h in s.handles)
-
-
-def in_flight_of(
-    fileio: FileIO, checkpoint: CompletedCheckpoint | None, operator: str
-) -> list[Any]:
-    """The in-flight batches an unaligned ``checkpoint`` persisted for ``operator``
-    (every subtask's: a rescaled operator filters them by key group)."""
-    if checkpoint is None:
-        return []
-    return [
-        batch
-        for s in checkpoint.states_of(operator)
-        for h in s.handles
-        if isinstance(h, ChannelStateHandle)
-        for batch in read_channel_state(fileio, h)
-    ]
+def post_stop(gate: InputGate, thread: threading.Thread) -> None:
+    """Deliver a stop message unless the receiving thread is already gone."""
+    if thread.is_alive():
+        gate.put_control(Stop())

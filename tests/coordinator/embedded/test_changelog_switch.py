@@ -15,7 +15,8 @@ from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline, reference
 from tools.restore import plan_restore, restore_operator
 
-CONFIG = DemoConfig(events_per_source=4000, users=200, rate_per_source=8000.0)
+# 2 s of input: the first checkpoint waits for the DSTL encoder process to start (0.5-1 s)
+CONFIG = DemoConfig(events_per_source=4000, users=200, rate_per_source=2000.0)
 
 
 class InjectedCrash(Exception):

@@ -19,7 +19,20 @@ from dstl.errors import ConfigError
 from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline, reference
 
-CONFIG = DemoConfig(events_per_source=4000, users=200, rate_per_source=8000.0)
+# 2 s of input: the first checkpoint waits for the DSTL's encoder process to start (0.5-1 s)
+CONFIG = DemoConfig(events_per_source=4000, users=200, rate_per_source=2000.0)
+
+
+def _keyed(records: list[tuple[str, Any]]) -> list[Any]:
+    """``(key, value)`` pairs as a keyed channel carries them (key bytes and group)."""
+    from backends.keygroups import DEFAULT_MAX_PARALLELISM, key_group_for
+    from backends.serializers import STR
+
+    out = []
+    for key, value in records:
+        kb = STR.serialize(key)
+        out.append((key, kb, key_group_for(kb, DEFAULT_MAX_PARALLELISM), value, None))
+    return out
 
 
 class InjectedCrash(Exception):
@@ -173,7 +186,28 @@ def test_runtime_with_postgresql_metadata(tmp_path: Path, postgres_url: str) -> 
     assert not (tmp_path / "metadata.db").exists()
 
 
-def test_restore_replays_channel_state_once_at_a_new_parallelism(tmp_path: Path) -> None:
+def _legacy_channel_state(fileio: FileIO, operator: str, cid: int, batches: list[Any]) -> Any:
+    """A channel state file as the one-input runtime wrote it (``CSTATE1``)."""
+    import pickle
+    import struct
+    import zlib
+
+    from coordinator.handles import ChannelStateHandle
+    from dstl import layout
+    from dstl.integrity import content_hash
+
+    body = pickle.dumps(batches)
+    data = b"CSTATE1\n" + struct.pack(">I", zlib.crc32(body)) + body
+    path = layout.channel_state_path("demo", operator, 0, cid)
+    fileio.write_new(path, data)
+    records = sum(len(b) for b in batches)
+    return ChannelStateHandle(path, cid, operator, 0, records, len(data), content_hash(data))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_restore_replays_channel_state_once_at_a_new_parallelism(
+    tmp_path: Path, legacy: bool
+) -> None:
     from coordinator.embedded.channel_state import write_channel_state
     from coordinator.metadata import MetadataStore, SubtaskState
 
@@ -184,8 +218,21 @@ def test_restore_replays_channel_state_once_at_a_new_parallelism(tmp_path: Path)
     cid = store.next_checkpoint_id("demo")
     # taken at operator parallelism 1; restored at 2: each record must reach its owner only
     records = [(f"user-{i:05d}", ("item-1", 100 + i, "books")) for i in range(20)]
-    op = write_channel_state(fileio, "demo", "user-stats", 0, cid, [records[:7], records[7:]])
-    sink = write_channel_state(fileio, "demo", "output", 0, cid, [[["sink-only", 1, 1]]])
+    if legacy:  # written by the one-input runtime: still replayed
+        op = _legacy_channel_state(fileio, "user-stats", cid, [records[:7], records[7:]])
+        sink = _legacy_channel_state(fileio, "output", cid, [[["sink-only", 1, 1]]])
+    else:
+        op = write_channel_state(
+            fileio,
+            "demo",
+            "user-stats",
+            0,
+            cid,
+            [(0, _keyed(records[:7])), (0, _keyed(records[7:]))],
+        )
+        sink = write_channel_state(
+            fileio, "demo", "output", 0, cid, [(0, [(["sink-only", 1, 1], None)])]
+        )
     states = (
         SubtaskState("events", 0, offset=5),  # the sources have nothing left to send
         SubtaskState("events", 1, offset=5),
@@ -226,7 +273,7 @@ def test_final_checkpoint_with_in_flight_records_is_followed_by_another(
     store = MetadataStore.for_local_store(str(tmp_path))
     store.start_attempt("demo")
     cid = store.next_checkpoint_id("demo")
-    op = write_channel_state(fileio, "demo", "user-stats", 0, cid, [records])
+    op = write_channel_state(fileio, "demo", "user-stats", 0, cid, [(0, _keyed(records))])
     states = (
         SubtaskState("events", 0, offset=5),
         SubtaskState("events", 1, offset=5),
