@@ -1,4 +1,5 @@
-"""``statectl``: inspect, verify, restore and export checkpoints; savepoints; orphan sweep.
+"""``statectl``: inspect, verify, restore and export checkpoints; savepoints; orphan sweep;
+run a pipeline.
 
 Exit codes:
 
@@ -42,7 +43,7 @@ from dstl.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from tools.cli import checkpoints, maintain, state
+from tools.cli import checkpoints, maintain, run, state
 from tools.cli.common import Context, Output, Parser, add_common
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CORRUPT, EXIT_REFUSED, EXIT_IO = range(7)
@@ -59,6 +60,9 @@ EXAMPLES = """examples:
   statectl savepoint --store demo-data                (the latest checkpoint, self-contained)
   statectl gc --store demo-data                       (dry run: orphans older than a day)
   statectl gc --store demo-data --job demo --min-age-s 3600 --delete
+  statectl run myjobs:clicks --store data --parallelism 2   (Ctrl-C: final checkpoint)
+  statectl run myjobs:clicks --store data --from-savepoint 12 \\
+      --option checkpoint.barrier-mode=unaligned
 """
 
 
@@ -84,7 +88,7 @@ def build_parser() -> Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (checkpoints, state, maintain):
+    for module in (checkpoints, state, maintain, run):
         module.register(sub, _make)
     return parser
 
