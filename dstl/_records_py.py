@@ -184,8 +184,11 @@ class RecordColumns:
     def __new__(
         cls, capacity: int, max_bytes: int, user_key_kind: int, value_kind: int
     ) -> RecordColumns:
-        capacity, max_bytes = operator.index(capacity), operator.index(max_bytes)
-        user_key_kind, value_kind = operator.index(user_key_kind), operator.index(value_kind)
+        # As the C type's argument parsing converts them: Py_ssize_t, Py_ssize_t, int, int.
+        capacity = _ranged(capacity, -(1 << 63), (1 << 63) - 1, "capacity")
+        max_bytes = _ranged(max_bytes, -(1 << 63), (1 << 63) - 1, "max_bytes")
+        user_key_kind = _ranged(user_key_kind, -(1 << 31), _INT32_MAX, "user_key_kind")
+        value_kind = _ranged(value_kind, -(1 << 31), _INT32_MAX, "value_kind")
         if capacity < 1 or max_bytes < 1:
             raise ValueError("capacity and max_bytes must be >= 1")
         _check_kind(user_key_kind, True, "user key")
