@@ -45,11 +45,17 @@ def _named(exc: OSError, path: Any) -> OSError:
     return OSError(exc.errno, exc.strerror, path)
 
 
+def _fs_path(path: Any) -> bytes:
+    """``path`` as the C module's PyUnicode_FSConverter converts it, one at a time."""
+    converted = os.fsencode(path)
+    if b"\0" in converted:
+        raise ValueError("embedded null byte")
+    return converted
+
+
 def write_new(directory: Any, tmp_name: Any, name: Any, data: Any, /) -> None:
     """Publish ``data`` as the new file ``directory/name`` (see the module doc)."""
-    dir_b, tmp_b, name_b = os.fsencode(directory), os.fsencode(tmp_name), os.fsencode(name)
-    if any(b"\0" in p for p in (dir_b, tmp_b, name_b)):
-        raise ValueError("embedded null byte")
+    dir_b, tmp_b, name_b = (_fs_path(p) for p in (directory, tmp_name, name))
     with memoryview(data) as view:
         if b"/" in tmp_b or b"/" in name_b:
             raise ValueError("tmp_name and name must be plain file names")

@@ -14,12 +14,14 @@
 #
 # A second run does nothing and takes well under a second.
 # Environment: PYTHON=/path/to/python3.11 to choose the interpreter for a new venv;
+#              BOOTSTRAP_VENV=DIR for a venv other than .venv (make test-pythons makes
+#              .venv-3.12 and .venv-3.13 with PYTHON=python3.12 / python3.13);
 #              BOOTSTRAP_FORCE=1 to reinstall even if the stamp matches.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT="$PWD"
-VENV="$ROOT/.venv"
+VENV="${BOOTSTRAP_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.bootstrap-stamp"
 CONSTRAINTS="tools/setup/constraints.txt"
 
@@ -93,9 +95,13 @@ fi
 rm -f dstl/_records.cpython-*.so dstl/_durable.cpython-*.so backends/_heapstate.cpython-*.so
 want="$(cat pyproject.toml "$CONSTRAINTS" dstl/*.[ch] backends/*.c | sha256sum | cut -d' ' -f1)"
 have="$(cat "$STAMP" 2>/dev/null || true)"
-# compiled in place; gone after a git clean
-built="$(compgen -G 'dstl/_records_c.*.so' >/dev/null && compgen -G 'dstl/_durable_c.*.so' \
-    >/dev/null && compgen -G 'backends/_heapstate_c.*.so' || true)"
+# compiled in place, one file per interpreter version; gone after a git clean
+suffix="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+built=""
+if [[ -f "dstl/_records_c$suffix" && -f "dstl/_durable_c$suffix" \
+    && -f "backends/_heapstate_c$suffix" ]]; then
+    built=yes
+fi
 if [[ "$want" != "$have" || -z "$built" || -n "${BOOTSTRAP_FORCE:-}" ]]; then
     log "installing the project and its pinned dependencies into $VENV"
     rm -f "$STAMP"
