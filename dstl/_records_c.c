@@ -125,7 +125,6 @@ typedef struct {
 
 static PyTypeObject RecordColumnsType;
 
-
 /* An exact int's value when it is "compact" (fits a machine word), read without a call;
  * -1 for "use PyLong_AsLongLongAndOverflow". Hot: three per record. Only the public
  * (unstable-tier) API of 3.12+ reads the int's layout; 3.11 has no public way to, so it
