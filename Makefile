@@ -14,7 +14,8 @@ export PYTHONHASHSEED := 0
 
 .PHONY: setup demo test test-pythons test-fallback test-asan lint fmt bench clean
 
-# Interpreters besides the venv's 3.11 that the suite must pass on (python3.X on PATH).
+# Interpreters besides the venv's 3.11 that the suite must pass on (python3.X on PATH or
+# installed by pyenv: tools/setup/find_python.sh).
 PYTHONS := 3.12 3.13
 # The tests of the C extensions and their callers, for the AddressSanitizer run.
 NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.py \
@@ -44,8 +45,7 @@ test: setup
 test-pythons:
 	@failed=""; \
 	for v in $(PYTHONS); do \
-		py="$$(command -v python$$v || true)"; \
-		if [[ -z "$$py" ]]; then echo "test-pythons: python$$v is not on PATH" >&2; failed="$$failed $$v"; continue; fi; \
+		py="$$(bash tools/setup/find_python.sh $$v)" || { failed="$$failed $$v-missing"; continue; }; \
 		BOOTSTRAP_VENV=.venv-$$v PYTHON="$$py" bash tools/setup/bootstrap.sh || { failed="$$failed $$v-setup"; continue; }; \
 		echo "+ [python$$v] pytest -q -m 'not spark'"; \
 		.venv-$$v/bin/python -m pytest -q -m "not spark" || failed="$$failed $$v"; \
