@@ -4,8 +4,9 @@
 #   1. Debian packages, only the missing ones (one `apt-get update`, only if needed):
 #      PostgreSQL server binaries (initdb under /usr/lib/postgresql/*/bin),
 #      a Java 17 runtime (if `java` is not on PATH), python3.11 + venv, make, and what
-#      building the C extensions (dstl._records, dstl._durable, backends._heapstate)
-#      needs (gcc, the interpreter's headers).
+#      building the C extensions (dstl._records_c, dstl._durable_c, backends._heapstate_c)
+#      needs (gcc, the interpreter's headers). The package installs without them (the
+#      pure-Python fallbacks run then), but here we want the fast path, and check it.
 #   2. .venv with python3.11, if absent (or broken).
 #   3. pip install -c tools/setup/constraints.txt -e ".[test]" (which also compiles the C
 #      extensions in place), only when pyproject.toml, constraints.txt or a C source changed
@@ -13,12 +14,14 @@
 #
 # A second run does nothing and takes well under a second.
 # Environment: PYTHON=/path/to/python3.11 to choose the interpreter for a new venv;
+#              BOOTSTRAP_VENV=DIR for a venv other than .venv (make test-pythons makes
+#              .venv-3.12 and .venv-3.13 with PYTHON=python3.12 / python3.13);
 #              BOOTSTRAP_FORCE=1 to reinstall even if the stamp matches.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT="$PWD"
-VENV="$ROOT/.venv"
+VENV="${BOOTSTRAP_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.bootstrap-stamp"
 CONSTRAINTS="tools/setup/constraints.txt"
 
@@ -86,19 +89,27 @@ if ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
 fi
 
 # --- 3. project + pinned dependencies -----------------------------------------------------
+# Extensions built before they were renamed *_c (issue 17) would shadow the Python modules
+# dstl/_records.py, dstl/_durable.py and backends/_heapstate.py, which pick C or Python:
+# an extension module wins over a .py of the same name.
+rm -f dstl/_records.cpython-*.so dstl/_durable.cpython-*.so backends/_heapstate.cpython-*.so
 want="$(cat pyproject.toml "$CONSTRAINTS" dstl/*.[ch] backends/*.c | sha256sum | cut -d' ' -f1)"
 have="$(cat "$STAMP" 2>/dev/null || true)"
-# compiled in place; gone after a git clean
-built="$(compgen -G 'dstl/_records*.so' >/dev/null && compgen -G 'dstl/_durable*.so' >/dev/null \
-    && compgen -G 'backends/_heapstate*.so' || true)"
+# compiled in place, one file per interpreter version; gone after a git clean
+suffix="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+built=""
+if [[ -f "dstl/_records_c$suffix" && -f "dstl/_durable_c$suffix" \
+    && -f "backends/_heapstate_c$suffix" ]]; then
+    built=yes
+fi
 if [[ "$want" != "$have" || -z "$built" || -n "${BOOTSTRAP_FORCE:-}" ]]; then
     log "installing the project and its pinned dependencies into $VENV"
     rm -f "$STAMP"
     "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
         -c "$CONSTRAINTS" -e ".[test]" \
         || die "pip install -c $CONSTRAINTS -e .[test] failed"
-    "$VENV/bin/python" -c 'import pyarrow, fsspec, s3fs, sqlalchemy, rocksdict, pyspark, moto, psycopg, dstl._records, dstl._durable, backends._heapstate' \
-        || die "installed, but a dependency does not import"
+    "$VENV/bin/python" -c 'import pyarrow, fsspec, s3fs, sqlalchemy, rocksdict, pyspark, moto, psycopg, dstl._records_c, dstl._durable_c, backends._heapstate_c' \
+        || die "installed, but a dependency (or a C extension) does not import"
     printf '%s\n' "$want" >"$STAMP.tmp" && mv -f "$STAMP.tmp" "$STAMP"
     log "done"
 fi
