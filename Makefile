@@ -23,9 +23,11 @@ NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.
 	tests/backends/test_changelog_fastpath.py
 
 setup:
-	bash tools/setup/bootstrap.sh
+	bash tools/setup/bootstrap.sh test
 
-demo: setup
+# The demo needs no PostgreSQL and no test tools (bootstrap.sh demo).
+demo:
+	bash tools/setup/bootstrap.sh demo
 	$(PY) -m tools.demo
 
 # Lint, the whole pytest suite (every marker), then the non-Spark suite on the other
