@@ -12,23 +12,65 @@ MYPY := $(VENV)/bin/mypy
 export SPARK_LOCAL_IP := 127.0.0.1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo test lint fmt bench clean
+.PHONY: setup demo test test-pythons test-fallback test-asan lint fmt bench clean
+
+# Interpreters besides the venv's 3.11 that the suite must pass on (python3.X on PATH or
+# installed by pyenv: tools/setup/find_python.sh).
+PYTHONS := 3.12 3.13
+# The tests of the C extensions and their callers, for the AddressSanitizer run.
+NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.py \
+	tests/dstl/test_encoder.py tests/backends/test_heapstate.py \
+	tests/backends/test_changelog_fastpath.py
 
 setup:
-	bash tools/setup/bootstrap.sh
+	bash tools/setup/bootstrap.sh test
 
-demo: setup
+# The demo needs no PostgreSQL and no test tools (bootstrap.sh demo).
+demo:
+	bash tools/setup/bootstrap.sh demo
 	$(PY) -m tools.demo
 
-# Lint and the whole pytest suite (every marker). All steps run; any failure fails the target.
+# Lint, the whole pytest suite (every marker), then the non-Spark suite on the other
+# interpreters (test-pythons). All steps run; any failure fails the target.
 test: setup
 	@failed=""; \
 	echo "+ ruff check ."; $(RUFF) check . || failed="$$failed ruff-check"; \
 	echo "+ ruff format --check ."; $(RUFF) format --check . || failed="$$failed ruff-format"; \
 	echo "+ mypy"; $(MYPY) || failed="$$failed mypy"; \
 	echo "+ pytest -q"; $(PY) -m pytest -q || failed="$$failed pytest"; \
+	$(MAKE) --no-print-directory test-pythons || failed="$$failed test-pythons"; \
 	if [[ -n "$$failed" ]]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make test: all passed"
+
+# The non-Spark suite on each of $(PYTHONS), in venvs .venv-3.12, .venv-3.13 made like .venv
+# (same constraints; the C extensions built for each interpreter, next to the 3.11 ones).
+# The slow end-to-end tests (soak, corruption matrix) run once, on 3.11: they exercise the
+# same Python code, and the native code they reach is covered here by its own tests.
+test-pythons:
+	@failed=""; \
+	for v in $(PYTHONS); do \
+		py="$$(bash tools/setup/find_python.sh $$v)" || { failed="$$failed $$v-missing"; continue; }; \
+		BOOTSTRAP_VENV=.venv-$$v PYTHON="$$py" bash tools/setup/bootstrap.sh || { failed="$$failed $$v-setup"; continue; }; \
+		echo "+ [python$$v] pytest -q -m 'not spark and not slow'"; \
+		.venv-$$v/bin/python -m pytest -q -m "not spark and not slow" || failed="$$failed $$v"; \
+	done; \
+	if [[ -n "$$failed" ]]; then echo "make test-pythons: FAILED:$$failed" >&2; exit 1; fi
+
+# The whole suite with the pure-Python twins of the C extensions forced (~2.5 min). Not
+# part of `test`, whose native tests run both implementations side by side already.
+test-fallback: setup
+	CHANGELOG_STATE_PURE_PYTHON=1 $(PY) -m pytest -q
+
+# The native tests and a long fuzz run with the C extensions built under AddressSanitizer,
+# in a copy of the tree (build/asan; see tools/setup/build_asan.py). CPython itself is not
+# sanitized: libasan is preloaded, and Python objects go through its malloc.
+test-asan: setup
+	$(PY) tools/setup/build_asan.py build/asan
+	cd build/asan && \
+	export LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+		PYTHONMALLOC=malloc && \
+	$(abspath $(PY)) -m pytest -q -p no:cacheprovider $(NATIVE_TESTS) && \
+	$(abspath $(PY)) -X faulthandler -m tests.native.fuzz 2000
 
 lint: setup
 	$(RUFF) check .
@@ -45,4 +87,4 @@ bench: setup
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis bench-results demo-data
-	find . -path ./.venv -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
+	find . -path './.venv*' -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

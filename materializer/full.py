@@ -213,6 +213,7 @@ class FullSnapshotCheckpointer:
         """Finish in-flight uploads and join the owned upload thread. Idempotent."""
         if self._owned:
             self._executor.shutdown(wait=True)
+        self.materializer.close()
 
 
 def restore_full_backend(

@@ -33,10 +33,11 @@ work", not yet a reference.
 
 Failures
 --------
-New files of a materialization that failed with a known outcome are deleted before the
-error propagates; the one file whose write ended in :class:`UnknownOutcomeError` is left
-for the orphan sweep. A result that will never be applied (see :meth:`discard`) deletes
-its new files, never shared ones.
+Each file is written by an :class:`~dstl.upload.Uploader` (the changelog's retries,
+hedging and byte budget). New files of a materialization that failed are deleted before
+the error propagates, a file whose write had an unknown outcome too (no handle can
+reference it; if it lands after its delete, it is the orphan sweep's). A result that will
+never be applied (see :meth:`discard`) deletes its new files, never shared ones.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash
+from dstl.upload import Uploader
 from materializer.errors import MaterializationError
 
 log = logging.getLogger(__name__)
@@ -196,6 +198,7 @@ class Materializer:
         subtask: int,
         clock: Callable[[], float] = time.monotonic,
         options: MaterializerOptions | None = None,
+        uploader: Uploader | None = None,
     ) -> None:
         self.backend = backend
         self.fileio = fileio
@@ -208,6 +211,8 @@ class Materializer:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self.last_stats: MaterializationStats | None = None
+        self._uploader = uploader
+        self._owned_uploader: Uploader | None = None
 
     def snapshot(self) -> tuple[int, MaterializationSnapshot]:
         """The synchronous part: a materialization id and a consistent state copy.
@@ -244,11 +249,12 @@ class Materializer:
         directory = layout.materialization_dir(
             self.job, self.operator, self.subtask, mat_id, uuid.uuid4().hex[:8]
         )
-        files: list[StateFileHandle] = []
-        writes: list[tuple[str, Future[None]]] = []  # new files, in order
+        slots: list[StateFileHandle | Future[StateFileHandle]] = []
+        writes: list[Future[StateFileHandle]] = []  # new files, in order
         new_bytes = 0
         # Writes run on a few threads (a local write waits for fsync, an S3 PUT for the
-        # network; both release the GIL) while this thread encodes the next piece.
+        # network; both release the GIL) while this thread encodes the next piece; each is
+        # retried and hedged by the uploader, which returns the path that holds it.
         with ThreadPoolExecutor(_WRITERS, thread_name_prefix="materialize-write") as pool:
             try:
                 if snapshot.sqn is None:
@@ -257,7 +263,7 @@ class Materializer:
                     data, file_id = _content(f)
                     hit = shareable.get(share_key(f.name, file_id))
                     if hit is not None:
-                        files.append(
+                        slots.append(
                             dataclasses.replace(
                                 hit,
                                 state=f.state,
@@ -268,31 +274,25 @@ class Materializer:
                             )
                         )
                         continue
-                    path = layout.state_file_path(directory, f.name)
                     if len(writes) >= _IN_FLIGHT:  # bounded memory: wait for an older write
-                        writes[-_IN_FLIGHT][1].result()
-                    fut = pool.submit(self.fileio.write_new, path, data)
-                    writes.append((path, fut))
-                    new_bytes += len(data)
-                    files.append(
-                        StateFileHandle(
-                            location=path,
-                            size_bytes=len(data),
-                            file_id=file_id,
-                            state=f.state,
-                            key_group_start=f.key_group_start,
-                            key_group_end=f.key_group_end,
-                            rows=f.rows,
-                            name=f.name,
-                        )
+                        writes[-_IN_FLIGHT].result()
+                    fut = pool.submit(
+                        self._upload_file,
+                        layout.state_file_path(directory, f.name),
+                        data,
+                        file_id,
+                        f,
                     )
-                for _, fut in writes:
+                    writes.append(fut)
+                    slots.append(fut)
+                    new_bytes += len(data)
+                for fut in writes:
                     fut.result()
             except Exception as exc:
-                wait([fut for _, fut in writes])
-                # A write that ended in UnknownOutcomeError may have landed: not deleted
-                # here, left for the orphan sweep.
-                self._delete([url for url, fut in writes if fut.exception() is None])
+                wait(writes)
+                # The uploader deleted every file of a failed write (an unknown outcome
+                # too: nothing references it); these are the writes that succeeded.
+                self._delete([fut.result().location for fut in writes if fut.exception() is None])
                 if isinstance(exc, MaterializationError):
                     raise
                 raise MaterializationError(
@@ -301,7 +301,8 @@ class Materializer:
                 ) from exc
             finally:
                 snapshot.release()
-        new = [url for url, _ in writes]
+        new = [fut.result().location for fut in writes]
+        files = [f.result() if isinstance(f, Future) else f for f in slots]
         assert snapshot.sqn is not None
         rng = snapshot.key_group_range
         handle = MaterializationHandle(
@@ -356,6 +357,41 @@ class Materializer:
     def delete_files(self, urls: list[str]) -> None:
         """Best-effort delete of files this materializer uploaded and nothing references."""
         self._delete(urls)
+
+    def _upload_file(
+        self, path: str, data: bytes, file_id: str, f: SnapshotFile
+    ) -> StateFileHandle:
+        """Write one new file (retried, hedged, under the byte budget); its handle."""
+        location = self.uploader.upload(path, data)
+        return StateFileHandle(
+            location=location,
+            size_bytes=len(data),
+            file_id=file_id,
+            state=f.state,
+            key_group_start=f.key_group_start,
+            key_group_end=f.key_group_end,
+            rows=f.rows,
+            name=f.name,
+        )
+
+    @property
+    def uploader(self) -> Uploader:
+        """The uploader of this materializer's files (its own unless one was given)."""
+        with self._lock:
+            if self._uploader is None:
+                self._uploader = self._owned_uploader = Uploader(
+                    self.fileio, name=f"{self.operator}-{self.subtask}"
+                )
+            return self._uploader
+
+    def close(self) -> None:
+        """Stop the uploader this materializer made (a given one is its owner's). Idempotent."""
+        with self._lock:
+            owned, self._owned_uploader = self._owned_uploader, None
+            if owned is not None:
+                self._uploader = None
+        if owned is not None:
+            owned.close()
 
     def _delete(self, urls: list[str]) -> None:
         for url in urls:

@@ -280,6 +280,7 @@ class MaterializationScheduler:
         # (unless a pending checkpoint claims it: its outcome is unknown here, so keep it).
         self._base = None
         self._release_garbage()
+        self.materializer.close()
 
     # -- internals ----------------------------------------------------------------------
     def _upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> None:

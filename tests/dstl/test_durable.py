@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dstl import FileIO
+from dstl import _durable as durable
 from dstl._durable import write_new
 from dstl.errors import StorageConflictError, StorageError
 
@@ -89,6 +90,7 @@ def test_fileio_creates_directories_and_refuses_overwrites(tmp_path: Path) -> No
     assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["c.parquet", "d.parquet"]
 
 
+@pytest.mark.skipif(not durable.NATIVE, reason="the Python fallback makes os.* calls")
 def test_fileio_local_writes_make_no_python_level_system_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,4 +1,6 @@
-/* dstl._durable: the upload thread's blocking I/O, each in one call that releases the GIL once.
+/* dstl._durable_c: the upload thread's blocking I/O, each in one call that releases the GIL
+ * once. dstl/_durable_py.py is the same API with os.* calls (the fallback; dstl/_durable.py
+ * picks).
  *
  * Why C: the upload thread writes each changelog segment while the task thread is busy
  * running Python. In CPython 3.11 every call that releases the GIL (each os.open,
@@ -21,11 +23,17 @@
  *     buffer of ``parts`` to ``wfd``, then read a 16-byte header (status, length: two
  *     little-endian int64) and ``length`` reply bytes from ``rfd``. Both descriptors
  *     must be non-blocking (the call polls them), so it gives up with TimeoutError once
- *     ``timeout`` seconds have passed in total. ``capacity`` is a guess of the reply's
- *     size: the reply is read straight into a bytes object of that size (shrunk after),
- *     releasing the GIL once; a longer reply costs a second release. EOFError when the
- *     peer closed its end, OSError for other failures (BrokenPipeError when it exited);
- *     after any failure the stream is out of step and the helper must be replaced.
+ *     ``timeout`` seconds have passed in total. The reply is read into a buffer sized from
+ *     its header, without the GIL, then copied into the bytes returned (with the public
+ *     API a bytes object cannot be made or shrunk without the GIL). ``capacity`` (>= 0)
+ *     is unused since then; it stays for callers. EOFError when the peer closed its end,
+ *     OSError for other failures (BrokenPipeError when it exited); after any failure the
+ *     stream is out of step and the helper must be replaced.
+ *
+ * Safe from Python (issue 17): the parts are snapshotted into a tuple before their
+ * buffers are taken (taking one may run Python code), every buffer is held until the
+ * call returns, and error paths build their messages from the converted paths (str or
+ * bytes alike). Public C API only.
  *
  * Thread-safe (no shared state); the data buffers are held for the duration of a call.
  */
@@ -128,6 +136,25 @@ publish(const char *dir, const char *tmp, const char *name, const char *data,
     return 0;
 }
 
+/* The path an OSError of write_new names: the directory as given, or "directory/file"
+ * built from the converted (file system encoded) names, as bytes when the directory was
+ * given as bytes (like os.* functions) and as str otherwise. A new reference. */
+static PyObject *
+failed_path(PyObject *dir_arg, const char *dir, const char *file, enum Where where)
+{
+    if (where == AT_DIR) {
+        return Py_NewRef(dir_arg);
+    }
+    PyObject *joined = PyBytes_FromFormat("%s/%s", dir, file);
+    if (joined == NULL || PyBytes_Check(dir_arg)) {
+        return joined;
+    }
+    PyObject *path = PyUnicode_DecodeFSDefaultAndSize(PyBytes_AS_STRING(joined),
+                                                      PyBytes_GET_SIZE(joined));
+    Py_DECREF(joined);
+    return path;
+}
+
 static PyObject *
 durable_write_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -161,15 +188,11 @@ durable_write_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_END_ALLOW_THREADS
     if (failed) {
         int saved = errno;
-        PyObject *path = where == AT_DIR ? args[0] : PyUnicode_FromFormat(
-                                                         "%U/%U", args[0],
-                                                         where == AT_TMP ? args[1] : args[2]);
+        PyObject *path = failed_path(args[0], dir, where == AT_TMP ? tmp : name, where);
         if (path != NULL) {
             errno = saved;
             PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
-            if (where != AT_DIR) {
-                Py_DECREF(path);
-            }
+            Py_DECREF(path);
         }
         goto done;
     }
@@ -187,7 +210,7 @@ done:
 /* -- exchange ------------------------------------------------------------------------ */
 
 /* Why the exchange stopped, for the error raised once the GIL is back. */
-enum Fail { FAIL_NONE, FAIL_ERRNO, FAIL_EOF, FAIL_TIMEOUT, FAIL_HEADER };
+enum Fail { FAIL_NONE, FAIL_ERRNO, FAIL_EOF, FAIL_TIMEOUT, FAIL_HEADER, FAIL_NOMEM };
 
 static double
 now_s(void)
@@ -301,6 +324,9 @@ raise_fail(enum Fail f, int saved_errno)
     case FAIL_HEADER:
         PyErr_SetString(PyExc_OSError, "the helper process sent a malformed reply header");
         break;
+    case FAIL_NOMEM:
+        PyErr_NoMemory();
+        break;
     default:
         errno = saved_errno;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -331,11 +357,13 @@ durable_exchange(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "exchange: capacity and timeout must be >= 0");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[2], "exchange: parts must be a sequence");
+    /* A tuple, not the caller's list: getting a buffer may run Python code (__buffer__,
+     * 3.12+), which could shrink a list under the loop below. */
+    PyObject *seq = PySequence_Tuple(args[2]);
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t count = PyTuple_GET_SIZE(seq);
     if (count > INT_MAX / 2) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "exchange: too many parts");
@@ -343,31 +371,26 @@ durable_exchange(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
     }
     Py_buffer *views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)count + 1, sizeof(struct iovec));
-    PyObject *reply = NULL, *result = NULL;
+    PyObject *result = NULL;
     Py_ssize_t held = 0;
     if (views == NULL || iov == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (; held < count; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &views[held],
-                               PyBUF_SIMPLE) < 0) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) < 0) {
             goto done;
         }
         iov[held].iov_base = views[held].buf;
         iov[held].iov_len = (size_t)views[held].len;
     }
-    reply = PyBytes_FromStringAndSize(NULL, capacity);
-    if (reply == NULL) {
-        goto done;
-    }
     unsigned char header[16];
     int64_t status = 0, length = 0;
+    char *body = NULL;
     enum Fail f;
     int saved = 0;
-    double deadline;
     Py_BEGIN_ALLOW_THREADS
-    deadline = now_s() + timeout;
+    double deadline = now_s() + timeout;
     f = send_iov((int)wfd, iov, (int)count, deadline);
     if (f == FAIL_NONE) {
         f = recv_exact((int)rfd, (char *)header, 16, deadline);
@@ -380,34 +403,23 @@ durable_exchange(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t 
         }
     }
     if (f == FAIL_NONE) {
-        f = recv_exact((int)rfd, PyBytes_AS_STRING(reply),
-                       length < capacity ? length : (int64_t)capacity, deadline);
+        /* Sized from the header, without the GIL (the raw allocator needs none): the whole
+         * round trip stays one GIL release. */
+        body = PyMem_RawMalloc(length ? (size_t)length : 1);
+        f = body == NULL ? FAIL_NOMEM : recv_exact((int)rfd, body, length, deadline);
     }
     saved = errno;
     Py_END_ALLOW_THREADS
     if (f != FAIL_NONE) {
         raise_fail(f, saved);
-        goto done;
     }
-    if (length > capacity) { /* a longer reply than guessed: grow, then read the rest */
-        if (_PyBytes_Resize(&reply, (Py_ssize_t)length) < 0) {
-            goto done;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        f = recv_exact((int)rfd, PyBytes_AS_STRING(reply) + capacity, length - capacity, deadline);
-        saved = errno;
-        Py_END_ALLOW_THREADS
-        if (f != FAIL_NONE) {
-            raise_fail(f, saved);
-            goto done;
-        }
+    else {
+        /* One copy into the bytes object: no public API lets a bytes object be allocated
+         * without the GIL or shrunk after (_PyBytes_Resize is private). */
+        result = Py_BuildValue("(Ly#)", (long long)status, body, (Py_ssize_t)length);
     }
-    else if (_PyBytes_Resize(&reply, (Py_ssize_t)length) < 0) {
-        goto done;
-    }
-    result = Py_BuildValue("(LO)", (long long)status, reply);
+    PyMem_RawFree(body);
 done:
-    Py_XDECREF(reply);
     for (Py_ssize_t i = 0; i < held; i++) {
         PyBuffer_Release(&views[i]);
     }
@@ -428,14 +440,14 @@ static PyMethodDef durable_methods[] = {
 
 static struct PyModuleDef durable_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "dstl._durable",
+    .m_name = "dstl._durable_c",
     .m_doc = "Durable local writes and helper-process round trips, each releasing the GIL once.",
     .m_size = -1,
     .m_methods = durable_methods,
 };
 
 PyMODINIT_FUNC
-PyInit__durable(void)
+PyInit__durable_c(void)
 {
     return PyModule_Create(&durable_module);
 }

@@ -1,10 +1,12 @@
-/* backends._heapstate: the heap store's per-record writes, with or without the change log.
+/* backends._heapstate_c: the heap store's per-record writes, with or without the change log.
  *
  * Why C: a per-record state update on the heap store is a dict write behind a key switch;
  * in Python the call frame around it costs as much as the write. Both the plain heap
  * store and the changelog wrapper use these same writes, so with the log on, the only
  * extra work per record is the record append (issue 4: at most 15% on the per-record
  * path, measured by ``python -m tools.bench run state-ops``).
+ * backends/_heapstate_py.py is the same API in Python (the fallback; backends/_heapstate.py
+ * picks).
  *
  * KeyContext
  *     Base type of HeapKeyedStateBackend: current_key, current_key_bytes and
@@ -15,21 +17,40 @@
  * HeapMap(...).put(user_key, value)
  *     ``table`` is the state's dict {key_group: {key: entry}}; the entry is the value, a
  *     list of elements, or a dict of map entries. With ``records`` (a
- *     dstl._records.RecordColumns), each write first appends one change record
+ *     dstl._records_c.RecordColumns), each write first appends one change record
  *     (``op``, key bytes, key group, user key or None, value) converted by the buffer's
  *     kinds, so a value the buffer refuses changes nothing; when the buffer reports full,
  *     ``flush()`` is called after the write. ``replace(items)`` makes the list ``items``
  *     (a list, stored as it is: pass a fresh one) the current key's list; its record's
- *     value frames every element (dstl._records append_typed_list). The objects are
- *     read-only from Python
- *     (``_backend``, ``_table``) and meant as bases for the Python state classes.
+ *     value frames every element (dstl._records_c append_typed_list). The objects are
+ *     read-only from Python (``_backend``, ``_table``) and meant as bases for the Python
+ *     state classes.
+ *
+ * Why not Cython (measured for issue 17 with a Cython 3.3 port of the logged value update,
+ * alternating processes, ns per update with the key switch): this C 342, the C before the
+ * safety fixes 336, Cython 403 (its default code reads CPython internals such as
+ * ob_digit), Cython in Limited API mode (public API only) 497, the Python twin 2803.
+ *
+ * Safe from Python (issue 17): nothing the C code reads is trusted. The key members may be
+ * set to anything or deleted (a deleted one is an AttributeError, not a NULL read); a
+ * state used before (or without) __init__ raises, and __init__ refuses a second call
+ * before changing anything; an entry of the table of the wrong type is a TypeError. Each
+ * write holds its own references to everything it uses while Python code can run (hashing
+ * and comparing keys, converting values, flush), so that code cannot free them.
+ * Public C API only.
  *
  * Not thread-safe: owned by the backend's task thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include "records_capi.h"
+#include <stddef.h>
+
+#if PY_VERSION_HEX < 0x030C0000 /* 3.12 moved these into Python.h, with a Py_ prefix */
+#include <structmember.h>
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#define Py_READONLY READONLY
+#endif
 
 static RecordsCAPI *records_api;
 
@@ -82,18 +103,19 @@ kc_dealloc(PyObject *op)
     Py_TYPE(op)->tp_free(op);
 }
 
-/* T_OBJECT_EX: CPython 3.11 specializes attribute access only for those. */
+/* Py_T_OBJECT_EX: CPython 3.11 specializes attribute access only for those. Python may
+ * set them to anything or delete them (NULL): the states check (current_get). */
 static PyMemberDef kc_members[] = {
-    {"current_key", T_OBJECT_EX, offsetof(KeyContext, current_key), 0, "the current key"},
-    {"current_key_bytes", T_OBJECT_EX, offsetof(KeyContext, current_key_bytes), 0,
+    {"current_key", Py_T_OBJECT_EX, offsetof(KeyContext, current_key), 0, "the current key"},
+    {"current_key_bytes", Py_T_OBJECT_EX, offsetof(KeyContext, current_key_bytes), 0,
      "the current key's serialized bytes"},
-    {"current_key_group", T_OBJECT_EX, offsetof(KeyContext, current_key_group), 0,
+    {"current_key_group", Py_T_OBJECT_EX, offsetof(KeyContext, current_key_group), 0,
      "the current key's key group"},
     {NULL},
 };
 
 static PyTypeObject KeyContextType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate.KeyContext",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate_c.KeyContext",
     .tp_basicsize = sizeof(KeyContext),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The current key of a keyed backend, readable from C. Task thread only.",
@@ -187,26 +209,43 @@ typedef struct {
     PyObject *key_bytes;
 } Current;
 
-static int
-current_get(HeapState *self, Current *cur)
-{
-    if (self->backend == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "heap state used before __init__");
-        return -1;
-    }
-    cur->group = Py_NewRef(self->backend->current_key_group);
-    cur->key = Py_NewRef(self->backend->current_key);
-    cur->key_bytes = Py_NewRef(self->backend->current_key_bytes);
-    return 0;
-}
-
 static void
 current_release(Current *cur)
 {
-    Py_DECREF(cur->group);
-    Py_DECREF(cur->key);
-    Py_DECREF(cur->key_bytes);
+    Py_XDECREF(cur->group);
+    Py_XDECREF(cur->key);
+    Py_XDECREF(cur->key_bytes);
 }
+
+/* A member Python deleted is NULL: AttributeError, as reading it from Python gives. */
+static PyObject *
+member(PyObject *value, const char *name)
+{
+    if (value == NULL) {
+        PyErr_Format(PyExc_AttributeError, "the backend has no %s (it was deleted)", name);
+        return NULL;
+    }
+    return Py_NewRef(value);
+}
+
+static int
+current_get(HeapState *self, Current *cur)
+{
+    KeyContext *b = self->backend;
+    if (b == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "heap state used before __init__");
+        return -1;
+    }
+    *cur = (Current){NULL, NULL, NULL};
+    if ((cur->group = member(b->current_key_group, "current_key_group")) == NULL ||
+        (cur->key = member(b->current_key, "current_key")) == NULL ||
+        (cur->key_bytes = member(b->current_key_bytes, "current_key_bytes")) == NULL) {
+        current_release(cur);
+        return -1;
+    }
+    return 0;
+}
+
 
 /* Whether the dict write will accept ``obj`` as a key: 0 with an exception set if not.
  * Exact str, bytes and int always hash (the common keys: no call for them). */
@@ -221,37 +260,85 @@ hashable(PyObject *obj)
 
 enum Shape { SHAPE_VALUE, SHAPE_LIST, SHAPE_MAP, SHAPE_REPLACE };
 
+/* What one write uses, each owned for the call: hashing, comparing and converting the
+ * parts runs Python code (__hash__, __eq__, __index__), which must not be able to free
+ * anything the write still reads. */
+typedef struct {
+    Current cur;
+    PyObject *table;
+    PyObject *records; /* NULL: no log */
+    PyObject *op;
+    PyObject *flush;
+} Write;
+
+static int
+write_begin(HeapState *self, Write *w)
+{
+    if (current_get(self, &w->cur) < 0) {
+        return -1;
+    }
+    /* set together with backend in hs_init */
+    w->table = Py_NewRef(self->table);
+    w->records = Py_XNewRef(self->records);
+    w->op = Py_XNewRef(self->op);
+    w->flush = Py_XNewRef(self->flush);
+    return 0;
+}
+
+static void
+write_end(Write *w)
+{
+    current_release(&w->cur);
+    Py_DECREF(w->table);
+    Py_XDECREF(w->records);
+    Py_XDECREF(w->op);
+    Py_XDECREF(w->flush);
+}
+
 /* Log the change (if this state logs): 1 buffer full, 0 not, -1 refused (nothing changed).
  * The dict keys are checked first (hashable), so a key the write would refuse is not logged. */
 static int
-log_change(HeapState *self, const Current *cur, PyObject *user_key, PyObject *value,
-           enum Shape shape)
+log_change(const Write *w, PyObject *user_key, PyObject *value, enum Shape shape)
 {
-    if (self->records == NULL) {
+    if (w->records == NULL) {
         return 0;
     }
-    if (!hashable(cur->group) || !hashable(cur->key) ||
+    if (!hashable(w->cur.group) || !hashable(w->cur.key) ||
         (user_key != Py_None && !hashable(user_key))) {
         return -1;
     }
-    PyObject *args[5] = {self->op, cur->key_bytes, cur->group, user_key, value};
-    return shape == SHAPE_REPLACE ? records_api->append_typed_list(self->records, args)
-                                  : records_api->append_typed(self->records, args);
+    PyObject *args[5] = {w->op, w->cur.key_bytes, w->cur.group, user_key, value};
+    return shape == SHAPE_REPLACE ? records_api->append_typed_list(w->records, args)
+                                  : records_api->append_typed(w->records, args);
+}
+
+/* ``obj`` (a new reference, or NULL) if it is a ``want`` (dict or list); else NULL and a
+ * TypeError: the table is readable from Python, so anything may have been put in it. */
+static PyObject *
+checked(PyObject *obj, int want_list, const char *what)
+{
+    if (obj == NULL || (want_list ? PyList_Check(obj) : PyDict_Check(obj))) {
+        return obj;
+    }
+    PyErr_Format(PyExc_TypeError, "heap state: %s is a %.100s, not a %s", what,
+                 Py_TYPE(obj)->tp_name, want_list ? "list" : "dict");
+    Py_DECREF(obj);
+    return NULL;
 }
 
 /* The key group's dict of keys, created when missing (a new reference). */
 static PyObject *
-group_dict(HeapState *self, PyObject *group)
+group_dict(PyObject *table, PyObject *group)
 {
-    PyObject *d = PyDict_GetItemWithError(self->table, group);
+    PyObject *d = PyDict_GetItemWithError(table, group);
     if (d != NULL) {
-        return Py_NewRef(d);
+        return checked(Py_NewRef(d), 0, "a key group's entry");
     }
     if (PyErr_Occurred()) {
         return NULL;
     }
     d = PyDict_New();
-    if (d == NULL || PyDict_SetItem(self->table, group, d) < 0) {
+    if (d == NULL || PyDict_SetItem(table, group, d) < 0) {
         Py_XDECREF(d);
         return NULL;
     }
@@ -267,20 +354,29 @@ store(PyObject *d, PyObject *key, PyObject *user_key, PyObject *value, enum Shap
     if (shape == SHAPE_VALUE || shape == SHAPE_REPLACE) {
         return PyDict_SetItem(d, key, value);
     }
+    int is_list = shape == SHAPE_LIST;
     PyObject *entry = PyDict_GetItemWithError(d, key);
     if (entry != NULL) {
-        return shape == SHAPE_LIST ? PyList_Append(entry, value)
-                                   : PyDict_SetItem(entry, user_key, value);
+        /* Owned: the map's PyDict_SetItem calls user_key's __hash__ and __eq__, which
+         * may delete this entry from ``d`` (the last reference but ours). */
+        entry = checked(Py_NewRef(entry), is_list, is_list ? "a list state's value"
+                                                           : "a map state's value");
+        if (entry == NULL) {
+            return -1;
+        }
+        int r = is_list ? PyList_Append(entry, value) : PyDict_SetItem(entry, user_key, value);
+        Py_DECREF(entry);
+        return r;
     }
     if (PyErr_Occurred()) {
         return -1;
     }
-    entry = shape == SHAPE_LIST ? PyList_New(0) : PyDict_New();
+    entry = is_list ? PyList_New(0) : PyDict_New();
     if (entry == NULL) {
         return -1;
     }
-    int failed = (shape == SHAPE_LIST ? PyList_Append(entry, value)
-                                      : PyDict_SetItem(entry, user_key, value)) < 0 ||
+    int failed = (is_list ? PyList_Append(entry, value)
+                          : PyDict_SetItem(entry, user_key, value)) < 0 ||
                  PyDict_SetItem(d, key, entry) < 0;
     Py_DECREF(entry);
     return failed ? -1 : 0;
@@ -290,27 +386,25 @@ store(PyObject *d, PyObject *key, PyObject *user_key, PyObject *value, enum Shap
 static PyObject *
 heap_write(HeapState *self, PyObject *user_key, PyObject *value, enum Shape shape)
 {
-    Current cur;
-    if (current_get(self, &cur) < 0) {
+    Write w;
+    if (write_begin(self, &w) < 0) {
         return NULL;
     }
-    int full = log_change(self, &cur, user_key, value, shape);
+    int full = log_change(&w, user_key, value, shape);
     int failed = full < 0;
     if (!failed) {
-        PyObject *d = group_dict(self, cur.group);
-        failed = d == NULL || store(d, cur.key, user_key, value, shape) < 0;
+        PyObject *d = group_dict(w.table, w.cur.group);
+        failed = d == NULL || store(d, w.cur.key, user_key, value, shape) < 0;
         Py_XDECREF(d);
     }
-    current_release(&cur);
+    if (!failed && full) {
+        PyObject *r = PyObject_CallNoArgs(w.flush);
+        failed = r == NULL;
+        Py_XDECREF(r);
+    }
+    write_end(&w);
     if (failed) {
         return NULL;
-    }
-    if (full) {
-        PyObject *r = PyObject_CallNoArgs(self->flush);
-        if (r == NULL) {
-            return NULL;
-        }
-        Py_DECREF(r);
     }
     Py_RETURN_NONE;
 }
@@ -349,8 +443,10 @@ hm_put(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMemberDef hs_members[] = {
-    {"_backend", T_OBJECT, offsetof(HeapState, backend), READONLY, "the backend (KeyContext)"},
-    {"_table", T_OBJECT, offsetof(HeapState, table), READONLY, "{key_group: {key: entry}}"},
+    {"_backend", Py_T_OBJECT_EX, offsetof(HeapState, backend), Py_READONLY,
+     "the backend (KeyContext)"},
+    {"_table", Py_T_OBJECT_EX, offsetof(HeapState, table), Py_READONLY,
+     "{key_group: {key: entry}}"},
     {NULL},
 };
 
@@ -373,7 +469,7 @@ static PyMethodDef hm_methods[] = {
 
 #define HEAP_STATE_TYPE(cname, pyname, methods, doc)                                      \
     static PyTypeObject cname = {                                                          \
-        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate." pyname,           \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate_c." pyname,           \
         .tp_basicsize = sizeof(HeapState),                                                 \
         .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,        \
         .tp_doc = doc,                                                                     \
@@ -395,14 +491,21 @@ HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
 
 static struct PyModuleDef heapstate_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "backends._heapstate",
+    .m_name = "backends._heapstate_c",
     .m_doc = "The heap store's per-record writes, with or without the change log.",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC
-PyInit__heapstate(void)
+PyInit__heapstate_c(void)
 {
+    /* PyCapsule_Import imports only the package, then walks attributes: the submodule
+     * must be imported already. */
+    PyObject *records = PyImport_ImportModule("dstl._records_c");
+    if (records == NULL) {
+        return NULL;
+    }
+    Py_DECREF(records);
     records_api = (RecordsCAPI *)PyCapsule_Import(RECORDS_CAPI_NAME, 0);
     if (records_api == NULL) {
         return NULL;

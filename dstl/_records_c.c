@@ -1,4 +1,4 @@
-/* dstl._records: a columnar buffer of change records, appended one record per C call.
+/* dstl._records_c: a columnar buffer of change records, appended one record per C call.
  *
  * Why C: a logged state call must cost little more than the same call without the log
  * (issue 4: at most 15% on the per-record path). In CPython, appending a record to a few
@@ -6,6 +6,13 @@
  * heap store's whole update; one C call does it all in a fraction of that, and the
  * buffers it fills are already Arrow's layout (int32 key groups, int8 ops, binary
  * columns with int32 offsets and validity bitmaps), so a flush converts nothing.
+ * dstl/_records_py.py is the same API in Python (the fallback; dstl/_records.py picks).
+ *
+ * Safe from Python (issue 17): the object is made whole in tp_new (no __init__ to skip or
+ * repeat), it has no writable attributes, it holds no references to Python objects, and
+ * every append checks and converts all its parts (which may run Python code) before it
+ * touches the buffer, re-reading the buffer's state only after that. Sizes stay below
+ * INT32_MAX (Arrow's int32 offsets), checked without overflowing. Public C API only.
  *
  * RecordColumns(capacity, max_bytes, user_key_kind, value_kind)
  *   append(op, key, key_group, user_key, value) -> bool
@@ -53,6 +60,8 @@ typedef struct {
     Py_ssize_t cap;
 } Buf;
 
+/* Room for ``extra`` more bytes; callers keep ``len + extra`` <= INT32_MAX (the Arrow
+ * offsets are int32), so neither the sum nor the doubling below can overflow. */
 static int
 buf_reserve(Buf *b, Py_ssize_t extra)
 {
@@ -114,38 +123,21 @@ typedef struct {
     BinCol values;
 } RecordColumns;
 
+static PyTypeObject RecordColumnsType;
 
-/* An int's value when it is a small exact int (at most two 30-bit digits), read from
- * CPython 3.11's layout without a call; -1 for "use the C API". Hot: three per record. */
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && PYLONG_BITS_IN_DIGIT == 30
-#define FAST_LONGS 1
+/* An exact int's value when it is "compact" (fits a machine word), read without a call;
+ * -1 for "use PyLong_AsLongLongAndOverflow". Hot: three per record. Only the public
+ * (unstable-tier) API of 3.12+ reads the int's layout; 3.11 has no public way to, so it
+ * always makes the call (its internal layout is not ours to read). */
+#if PY_VERSION_HEX >= 0x030C0000
 static inline int
 small_long(PyObject *obj, long long *out)
 {
-    if (!PyLong_CheckExact(obj)) {
+    if (!PyLong_CheckExact(obj) || !PyUnstable_Long_IsCompact((PyLongObject *)obj)) {
         return -1;
     }
-    Py_ssize_t size = Py_SIZE(obj);
-    const digit *d = ((PyLongObject *)obj)->ob_digit;
-    switch (size) {
-    case 0:
-        *out = 0;
-        return 0;
-    case 1:
-        *out = (long long)d[0];
-        return 0;
-    case -1:
-        *out = -(long long)d[0];
-        return 0;
-    case 2:
-        *out = (long long)d[0] | ((long long)d[1] << 30);
-        return 0;
-    case -2:
-        *out = -((long long)d[0] | ((long long)d[1] << 30));
-        return 0;
-    default:
-        return -1;
-    }
+    *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)obj);
+    return 0;
 }
 #else
 static inline int
@@ -269,7 +261,7 @@ bitmap_size(Py_ssize_t rows)
 static int
 bincol_reserve(BinCol *c, const Cell *cell, Py_ssize_t row_cap)
 {
-    if (c->data.len + cell->len > INT32_MAX) {
+    if (cell->len > INT32_MAX - c->data.len) { /* not a sum: it could overflow */
         PyErr_SetString(PyExc_OverflowError,
                         "change records: more than 2 GiB in one buffer (flush more often)");
         return -1;
@@ -355,11 +347,16 @@ bincol_grow_rows(BinCol *c, Py_ssize_t old_cap, Py_ssize_t cap)
     return 0;
 }
 
-/* Room for ``cap`` rows in every per-row array. */
+/* Room for ``cap`` rows in every per-row array. The row count stays below INT32_MAX (an
+ * Arrow array's length here; also keeps every size below from overflowing). */
 static int
 grow_rows(RecordColumns *self, Py_ssize_t cap)
 {
     Py_ssize_t old = self->row_cap;
+    if (cap <= old || cap > INT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "change records: too many rows in one buffer");
+        return -1;
+    }
     if (grow((void **)&self->key_groups, sizeof(int32_t) * (size_t)cap) < 0 ||
         grow((void **)&self->ops, (size_t)cap) < 0 ||
         bincol_grow_rows(&self->keys, old, cap) < 0 ||
@@ -434,7 +431,8 @@ commit(RecordColumns *self, const Head *h, const Cell *value, const Cell *parts,
        Py_ssize_t nparts)
 {
     Py_ssize_t row = self->rows;
-    if ((row == self->row_cap && grow_rows(self, 2 * self->row_cap) < 0) ||
+    if ((row == self->row_cap &&
+         grow_rows(self, row > INT32_MAX / 2 - 1 ? INT32_MAX - 1 : 2 * row) < 0) ||
         bincol_reserve(&self->keys, &h->key, self->row_cap) < 0 ||
         (h->has_uk && bincol_reserve(&self->uks, &h->uk, self->row_cap) < 0) ||
         bincol_reserve(&self->values, value, self->row_cap) < 0) {
@@ -507,8 +505,11 @@ do_append_list(RecordColumns *self, PyObject *const *args)
                        &parts[i]) < 0) {
             goto done;
         }
-        if (parts[i].len > (Py_ssize_t)UINT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "list element: longer than 4 GiB");
+        /* The framed value must fit one buffer (checked again on reserving): stopping
+         * here also keeps the sum from overflowing. */
+        if (parts[i].len > INT32_MAX - 4 - value.len) {
+            PyErr_SetString(PyExc_OverflowError,
+                            "change records: more than 2 GiB in one buffer (flush more often)");
             goto done;
         }
         value.len += 4 + parts[i].len;
@@ -561,16 +562,27 @@ rc_append_typed_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * append_typed with ``args`` = (op, key, key_group, user_key, value); 1 when the buffer
  * is full, 0 when not, -1 with an exception set. ``rc`` must be a RecordColumns. */
 static int
+check_type(PyObject *rc)
+{
+    if (Py_IS_TYPE(rc, &RecordColumnsType)) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "expected a dstl._records_c.RecordColumns, got %.100s",
+                 Py_TYPE(rc)->tp_name);
+    return -1;
+}
+
+static int
 capi_append_typed(PyObject *rc, PyObject *const *args)
 {
-    return do_append((RecordColumns *)rc, args, 1);
+    return check_type(rc) < 0 ? -1 : do_append((RecordColumns *)rc, args, 1);
 }
 
 /* The same with ``args[4]`` a list, framed into one value (see do_append_list). */
 static int
 capi_append_typed_list(PyObject *rc, PyObject *const *args)
 {
-    return do_append_list((RecordColumns *)rc, args);
+    return check_type(rc) < 0 ? -1 : do_append_list((RecordColumns *)rc, args);
 }
 
 static PyObject *
@@ -643,33 +655,38 @@ check_kind(int kind, int allow_none, const char *what)
     return -1;
 }
 
-static int
-rc_init(PyObject *op, PyObject *args, PyObject *kwds)
+/* The only constructor: the object exists only fully set up (no __init__ to skip or to
+ * call again, so no half-made or re-made buffer is reachable from Python). */
+static PyObject *
+rc_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"capacity", "max_bytes", "user_key_kind", "value_kind", NULL};
-    RecordColumns *self = (RecordColumns *)op;
     Py_ssize_t capacity, max_bytes;
     int uk_kind, value_kind;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "nnii", kwlist, &capacity, &max_bytes,
                                      &uk_kind, &value_kind)) {
-        return -1;
+        return NULL;
     }
     if (capacity < 1 || max_bytes < 1) {
         PyErr_SetString(PyExc_ValueError, "capacity and max_bytes must be >= 1");
-        return -1;
+        return NULL;
     }
     if (check_kind(uk_kind, 1, "user key") < 0 || check_kind(value_kind, 0, "value") < 0) {
-        return -1;
+        return NULL;
+    }
+    RecordColumns *self = (RecordColumns *)type->tp_alloc(type, 0); /* zeroed */
+    if (self == NULL) {
+        return NULL;
     }
     self->capacity = capacity;
     self->max_bytes = max_bytes;
     self->uk_kind = uk_kind;
     self->value_kind = value_kind;
-    if (self->row_cap) {
-        PyErr_SetString(PyExc_RuntimeError, "RecordColumns is initialized once");
-        return -1;
+    if (grow_rows(self, capacity < 4096 ? capacity : 4096) < 0) {
+        Py_DECREF(self); /* rc_dealloc frees what was allocated */
+        return NULL;
     }
-    return grow_rows(self, capacity < 4096 ? capacity : 4096);
+    return (PyObject *)self;
 }
 
 static void
@@ -700,12 +717,11 @@ static PySequenceMethods rc_as_sequence = {
 };
 
 static PyTypeObject RecordColumnsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dstl._records.RecordColumns",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dstl._records_c.RecordColumns",
     .tp_basicsize = sizeof(RecordColumns),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A columnar buffer of change records (see the module source). Task thread only.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = rc_init,
+    .tp_new = rc_new,
     .tp_dealloc = rc_dealloc,
     .tp_methods = rc_methods,
     .tp_as_sequence = &rc_as_sequence,
@@ -742,14 +758,14 @@ static PyMethodDef records_functions[] = {
 
 static struct PyModuleDef records_module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "dstl._records",
+    .m_name = "dstl._records_c",
     .m_doc = "A columnar buffer of change records, appended one record per C call.",
     .m_size = -1,
     .m_methods = records_functions,
 };
 
 PyMODINIT_FUNC
-PyInit__records(void)
+PyInit__records_c(void)
 {
     if (PyType_Ready(&RecordColumnsType) < 0) {
         return NULL;

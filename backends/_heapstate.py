@@ -1,0 +1,25 @@
+"""The heap store's per-record writes: :mod:`backends._heapstate_c` (C) or
+:mod:`backends._heapstate_py` (the same API in Python), chosen once at import
+(:mod:`dstl.native`). The C one needs the C record buffer (it appends through its
+capsule), so it is used only when :mod:`dstl._records` is the C one. ``NATIVE`` says
+which. The API is documented in ``backends/_heapstate_py.py``.
+"""
+
+from typing import TYPE_CHECKING
+
+from dstl import _records
+from dstl.native import load
+
+if TYPE_CHECKING:
+    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext
+
+    NATIVE: bool
+else:
+    _impl = load("backends._heapstate", native_allowed=_records.NATIVE)
+    KeyContext = _impl.KeyContext
+    HeapValue = _impl.HeapValue
+    HeapList = _impl.HeapList
+    HeapMap = _impl.HeapMap
+    NATIVE = _impl.__name__ == "backends._heapstate_c"
+
+__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext"]

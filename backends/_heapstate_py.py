@@ -1,0 +1,176 @@
+"""The heap store's per-record writes in pure Python: the fallback of
+:mod:`backends._heapstate_c`, with the same API, behaviour and errors (types).
+
+``KeyContext``
+    Base class of :class:`~backends.heap.HeapKeyedStateBackend`: ``current_key``,
+    ``current_key_bytes`` and ``current_key_group``, all None until set.
+``HeapValue(backend, table, records=None, op=None, flush=None).update(value)``,
+``HeapList(...).add(value)``, ``.replace(items)``, ``HeapMap(...).put(user_key, value)``
+    ``table`` is the state's dict ``{key_group: {key: entry}}``; the entry is the value,
+    a list of elements, or a dict of map entries. With ``records`` (a
+    :class:`dstl._records.RecordColumns`), each write first appends one change record
+    (``op``, key bytes, key group, user key or None, value) converted by the buffer's
+    kinds, after checking that the keys hash, so a value or key the write would refuse
+    changes nothing; when the buffer reports full, ``flush()`` is called after the write.
+    ``replace(items)`` makes the list ``items`` (stored as it is) the current key's
+    list, logged as one record framing every element. ``_backend`` and ``_table`` are
+    read-only; a second ``__init__`` raises RuntimeError and changes nothing.
+
+Not thread-safe: owned by the backend's task thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dstl import _records_py
+from dstl._records import RecordColumns
+
+# The buffers these states append to: the Python one, and the C one when this module is
+# the fallback of a C heap state that did not import while the C buffer did.
+_BUFFERS = (_records_py.RecordColumns, RecordColumns)
+
+
+class KeyContext:
+    """The current key of a keyed backend. Task thread only."""
+
+    __slots__ = ("current_key", "current_key_bytes", "current_key_group")
+
+    current_key: Any
+    current_key_bytes: Any
+    current_key_group: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> KeyContext:
+        self = super().__new__(cls)
+        self.current_key = self.current_key_bytes = self.current_key_group = None
+        return self
+
+
+_VALUE, _LIST, _MAP, _REPLACE = range(4)
+_MISSING = object()
+
+
+def _checked(obj: Any, want: type, what: str) -> Any:
+    if not isinstance(obj, want):
+        raise TypeError(f"heap state: {what} is a {type(obj).__name__}, not a {want.__name__}")
+    return obj
+
+
+class _HeapState:
+    """The write shared by the three states (see the module doc). Task thread only."""
+
+    __slots__ = ("_hs_backend", "_hs_flush", "_hs_op", "_hs_records", "_hs_table")
+    _hs_backend: KeyContext
+    _hs_table: dict[Any, Any]
+    _hs_records: RecordColumns | _records_py.RecordColumns | None
+    _hs_op: Any  # an int when _hs_records is set
+    _hs_flush: Any  # a callable when _hs_records is set
+
+    def __init__(
+        self,
+        backend: KeyContext,
+        table: dict[Any, Any],
+        records: RecordColumns | _records_py.RecordColumns | None = None,
+        op: int | None = None,
+        flush: Callable[[], object] | None = None,
+    ) -> None:
+        if not isinstance(backend, KeyContext):
+            raise TypeError(f"backend must be a KeyContext, not {type(backend).__name__}")
+        if not isinstance(table, dict):
+            raise TypeError(f"table must be a dict, not {type(table).__name__}")
+        if hasattr(self, "_hs_backend"):
+            raise RuntimeError("a heap state is initialized once")
+        if records is not None:
+            if not isinstance(records, _BUFFERS):
+                raise TypeError("records must be a dstl._records.RecordColumns")
+            if not isinstance(op, int) or not callable(flush):
+                raise TypeError("a logged heap state needs an int op and flush()")
+        self._hs_records = records
+        self._hs_op = op
+        self._hs_flush = flush
+        self._hs_backend = backend
+        self._hs_table = table
+
+    @property
+    def _backend(self) -> Any:
+        """The backend (KeyContext); AttributeError before __init__."""
+        return self._hs_backend
+
+    @property
+    def _table(self) -> dict[Any, Any]:
+        """``{key_group: {key: entry}}``; AttributeError before __init__."""
+        return self._hs_table
+
+    def _write(self, user_key: Any, value: Any, shape: int) -> None:
+        try:
+            b = self._hs_backend
+        except AttributeError:
+            raise RuntimeError("heap state used before __init__") from None
+        group, key, key_bytes = b.current_key_group, b.current_key, b.current_key_bytes
+        records, full = self._hs_records, False
+        if records is not None:
+            hash(group)  # a key the dict write would refuse is not logged
+            hash(key)
+            if user_key is not None:
+                hash(user_key)
+            if shape == _REPLACE:
+                full = records.append_typed_list(self._hs_op, key_bytes, group, user_key, value)
+            else:
+                full = records.append_typed(self._hs_op, key_bytes, group, user_key, value)
+        table = self._hs_table
+        d = dict.get(table, group, _MISSING)
+        if d is _MISSING:
+            d = {}
+            dict.__setitem__(table, group, d)
+        else:
+            _checked(d, dict, "a key group's entry")
+        if shape in (_VALUE, _REPLACE):
+            dict.__setitem__(d, key, value)
+        else:
+            entry = dict.get(d, key, _MISSING)
+            if entry is _MISSING:
+                entry = [value] if shape == _LIST else {user_key: value}
+                dict.__setitem__(d, key, entry)
+            elif shape == _LIST:
+                list.append(_checked(entry, list, "a list state's value"), value)
+            else:
+                dict.__setitem__(_checked(entry, dict, "a map state's value"), user_key, value)
+        if full:
+            self._hs_flush()
+
+
+class HeapValue(_HeapState):
+    """The heap store's value-state write. Task thread only."""
+
+    __slots__ = ()
+
+    def update(self, value: Any) -> None:
+        """Set the current key's value."""
+        self._write(None, value, _VALUE)
+
+
+class HeapList(_HeapState):
+    """The heap store's list-state writes. Task thread only."""
+
+    __slots__ = ()
+
+    def add(self, value: Any) -> None:
+        """Append to the current key's list."""
+        self._write(None, value, _LIST)
+
+    def replace(self, items: list[Any], /) -> None:
+        """Make the list ``items`` (stored as it is) the current key's list."""
+        if type(items) is not list:
+            raise TypeError(f"replace: expected a list, got {type(items).__name__}")
+        self._write(None, items, _REPLACE)
+
+
+class HeapMap(_HeapState):
+    """The heap store's map-state put. Task thread only."""
+
+    __slots__ = ()
+
+    def put(self, user_key: Any, value: Any) -> None:
+        """Set an entry of the current key's map."""
+        self._write(user_key, value, _MAP)
