@@ -28,6 +28,7 @@ from dstl import layout
 from dstl.errors import StorageConflictError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash, read_verified
+from dstl.upload import Uploader
 
 
 class Publisher(Protocol):
@@ -143,13 +144,21 @@ class TransactionalSink:
 
     Invariant: every record handed to :meth:`write` is in exactly one staged transaction
     once :meth:`pre_commit` ran, and published exactly once once a checkpoint covering it
-    completed.
+    completed. Staged files go through ``uploader`` (the worker's: retries, hedging, a
+    byte budget shared with the materializer) when the host has one, else one write each.
     """
 
     def __init__(
-        self, state_io: FileIO, publisher: Publisher, job: str, operator: str, subtask: int
+        self,
+        state_io: FileIO,
+        publisher: Publisher,
+        job: str,
+        operator: str,
+        subtask: int,
+        uploader: Uploader | None = None,
     ) -> None:
         self._state_io = state_io
+        self._uploader = uploader
         self.publisher = publisher
         self._job = job
         self._operator = operator
@@ -170,7 +179,10 @@ class TransactionalSink:
             path = layout.sink_transaction_path(
                 self._job, self._operator, self._subtask, checkpoint_id
             )
-            self._state_io.write_new(path, data)
+            if self._uploader is not None:
+                path = self._uploader.upload(path, data)  # an attempt's name if a retry won
+            else:
+                self._state_io.write_new(path, data)
             self.staged[checkpoint_id] = SinkTransactionHandle(
                 path,
                 checkpoint_id,

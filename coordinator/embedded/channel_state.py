@@ -30,6 +30,7 @@ from dstl import layout
 from dstl.errors import CorruptionError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash, read_verified
+from dstl.upload import Uploader
 
 _MAGIC = b"CSTATE2\n"
 _LEGACY = b"CSTATE1\n"
@@ -48,21 +49,22 @@ class ChannelState:
 
 
 def write_channel_state(
-    fileio: FileIO,
+    uploader: Uploader,
     job: str,
     operator: str,
     subtask: int,
     checkpoint_id: int,
     entries: Sequence[tuple[int, list[Any]]],
 ) -> ChannelStateHandle:
-    """Durably write the in-flight ``(input, batch)`` entries (write-once); their handle."""
+    """Durably write the in-flight ``(input, batch)`` entries (write-once, through the
+    worker's ``uploader``: retried, hedged, within its byte budget); their handle."""
     body = pickle.dumps(list(entries), protocol=pickle.HIGHEST_PROTOCOL)
     data = _MAGIC + struct.pack(">I", zlib.crc32(body)) + body
     path = layout.channel_state_path(job, operator, subtask, checkpoint_id)
-    fileio.write_new(path, data)
+    location = uploader.upload(path, data)  # an attempt's name if a retry won
     records = sum(len(batch) for _, batch in entries)
     return ChannelStateHandle(
-        path, checkpoint_id, operator, subtask, records, len(data), content_hash(data)
+        location, checkpoint_id, operator, subtask, records, len(data), content_hash(data)
     )
 
 

@@ -30,6 +30,7 @@ from coordinator.options import RuntimeOptions
 from coordinator.sink import Publisher, TransactionalSink
 from dstl.changelog import ChangelogStorage
 from dstl.fileio import FileIO
+from dstl.upload import Uploader
 from materializer import (
     FullSnapshotCheckpointer,
     MaterializationOptions,
@@ -90,6 +91,7 @@ class KeyedOperator:
         latest: CompletedCheckpoint | None,
         clock: Callable[[], float],
         processing_ms: Callable[[], int],
+        uploader: Uploader,
     ) -> None:
         self.node = node
         self.key_groups = KeyGroupRange.for_subtask(subtask, node.parallelism, node.max_parallelism)
@@ -129,7 +131,9 @@ class KeyedOperator:
         self.materializer = (
             self.full.materializer
             if self.full is not None
-            else Materializer(self.backend, fileio, job_id, node.name, subtask, clock)
+            else Materializer(
+                self.backend, fileio, job_id, node.name, subtask, clock, uploader=uploader
+            )
         )
         # Periodic, jittered, skipped when idle or in flight; fails the task after
         # max_consecutive_failures failures in a row. Uploads on its own named thread.
@@ -229,10 +233,16 @@ class SinkOperator:
     """One subtask of a transactional sink."""
 
     def __init__(
-        self, node: SinkNode, subtask: int, job_id: str, fileio: FileIO, publisher: Publisher
+        self,
+        node: SinkNode,
+        subtask: int,
+        job_id: str,
+        fileio: FileIO,
+        publisher: Publisher,
+        uploader: Uploader,
     ) -> None:
         self.node = node
-        self.sink = TransactionalSink(fileio, publisher, job_id, node.name, subtask)
+        self.sink = TransactionalSink(fileio, publisher, job_id, node.name, subtask, uploader)
         self.out: list[tuple[Any, int | None]] = []  # a sink emits nothing
 
     def process(self, input_: int, batch: list[Any]) -> None:

@@ -43,6 +43,7 @@ from coordinator.sink import publish_staged
 from dstl.changelog import ChangelogStorage
 from dstl.errors import CheckpointError, JobFailedError, MetadataStoreError
 from dstl.fileio import FileIO
+from dstl.upload import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,9 @@ class _Job:
         )
         if runtime._on_checkpoint is not None:
             self.coordinator.listeners.append(runtime._on_checkpoint)
+        # One for the worker: channel state, staged sink transactions and materialized
+        # files share its retries, hedging and byte budget (closed after the tasks).
+        self.uploader = Uploader(fileio, name=graph.job_id)
         self.env = JobEnv(
             graph.job_id,
             o,
@@ -287,6 +291,7 @@ class _Job:
             self.coordinator,
             runtime._fail,
             runtime._source_finished,
+            self.uploader,
         )
 
     def _trigger(self, cid: int) -> None:
@@ -370,7 +375,9 @@ class _Job:
         rt = self.rt
         if isinstance(node, SinkNode):
             publisher = node.sink.publisher(rt.options.storage_options)
-            return SinkOperator(node, subtask, self.graph.job_id, self.fileio, publisher)
+            return SinkOperator(
+                node, subtask, self.graph.job_id, self.fileio, publisher, self.uploader
+            )
         return KeyedOperator(
             node,
             subtask,
@@ -382,6 +389,7 @@ class _Job:
             latest,
             rt._clock,
             rt._processing_ms,
+            self.uploader,
         )
 
     def _replay_of(
@@ -448,8 +456,10 @@ class _Job:
             thread = self.threads.get(s.name)
             if thread is not None:
                 thread.join(timeout=30)
+        self.uploader.close()  # after the tasks: their operators closed their uploads
 
     def close_operators(self) -> None:
         """Release what operators built before a failed start hold."""
         for op in self.operators:
             op.close()
+        self.uploader.close()

@@ -44,6 +44,7 @@ from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint, SubtaskState
 from coordinator.options import BarrierMode, RuntimeOptions
 from dstl.fileio import FileIO
+from dstl.upload import Uploader
 
 URGENT_POLL_S = 0.002
 """How often a task blocked on output checks for an urgent checkpoint."""
@@ -62,6 +63,7 @@ class JobEnv:
     coordinator: CheckpointCoordinator
     fail: Callable[[BaseException], None]
     source_finished: Callable[[], None]
+    uploader: Uploader
 
     def urgent_capable(self) -> bool:
         """Whether a checkpoint may have to start while a task is blocked on output."""
@@ -354,7 +356,7 @@ class StreamTask:
         extra: tuple[ChannelStateHandle, ...] = ()
         if entries:
             handle = write_channel_state(
-                self.env.fileio,
+                self.env.uploader,
                 self.env.job_id,
                 self.node_name,
                 self.subtask,

@@ -17,6 +17,7 @@ from coordinator.options import BarrierMode
 from coordinator.sink import read_output
 from dstl.errors import ConfigError
 from dstl.fileio import FileIO
+from dstl.upload import Uploader
 from tools.demo_job import DemoConfig, pipeline, reference
 
 # 2 s of input: the first checkpoint waits for the DSTL's encoder process to start (0.5-1 s)
@@ -222,17 +223,18 @@ def test_restore_replays_channel_state_once_at_a_new_parallelism(
         op = _legacy_channel_state(fileio, "user-stats", cid, [records[:7], records[7:]])
         sink = _legacy_channel_state(fileio, "output", cid, [[["sink-only", 1, 1]]])
     else:
-        op = write_channel_state(
-            fileio,
-            "demo",
-            "user-stats",
-            0,
-            cid,
-            [(0, _keyed(records[:7])), (0, _keyed(records[7:]))],
-        )
-        sink = write_channel_state(
-            fileio, "demo", "output", 0, cid, [(0, [(["sink-only", 1, 1], None)])]
-        )
+        with Uploader(fileio) as uploader:
+            op = write_channel_state(
+                uploader,
+                "demo",
+                "user-stats",
+                0,
+                cid,
+                [(0, _keyed(records[:7])), (0, _keyed(records[7:]))],
+            )
+            sink = write_channel_state(
+                uploader, "demo", "output", 0, cid, [(0, [(["sink-only", 1, 1], None)])]
+            )
     states = (
         SubtaskState("events", 0, offset=5),  # the sources have nothing left to send
         SubtaskState("events", 1, offset=5),
@@ -273,7 +275,8 @@ def test_final_checkpoint_with_in_flight_records_is_followed_by_another(
     store = MetadataStore.for_local_store(str(tmp_path))
     store.start_attempt("demo")
     cid = store.next_checkpoint_id("demo")
-    op = write_channel_state(fileio, "demo", "user-stats", 0, cid, [(0, _keyed(records))])
+    with Uploader(fileio) as uploader:
+        op = write_channel_state(uploader, "demo", "user-stats", 0, cid, [(0, _keyed(records))])
     states = (
         SubtaskState("events", 0, offset=5),
         SubtaskState("events", 1, offset=5),
