@@ -103,6 +103,22 @@ class CheckpointOptions:
             )
 
 
+def _barrier_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The barrier's cost over every subtask that reported it: the longest alignment and
+    start delay, the bytes in flight in total, and whether any subtask went unaligned."""
+    out: dict[str, Any] = {}
+    for key, name, fold in (
+        ("alignment_ms", "alignment_ms_max", max),
+        ("start_delay_ms", "start_delay_ms_max", max),
+        ("in_flight_bytes", "in_flight_bytes", sum),
+        ("unaligned", "unaligned", any),
+    ):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[name] = fold(values)
+    return out
+
+
 @dataclass(slots=True)
 class PendingCheckpoint:
     """A triggered checkpoint waiting for acks. Coordinator thread only."""
@@ -425,6 +441,7 @@ class CheckpointCoordinator:
             "subtask_stats": {
                 f"{s.operator}/{s.subtask}": s.stats for s in completed.subtasks if s.stats
             },
+            **_barrier_stats([s.stats for s in completed.subtasks if s.stats]),
         }
 
     def _abort(

@@ -103,6 +103,9 @@ def test_unaligned_is_exactly_once_across_a_crash_with_in_flight_records(tmp_pat
         tmp_path, BarrierMode.UNALIGNED, lambda cp: _operator_channel_state(cp) > 0, UNPACED
     )
     assert _operator_channel_state(crashed) > 0
+    # the record says what the barrier cost (shown by `statectl checkpoints show`)
+    assert crashed.stats["unaligned"] is True and crashed.stats["in_flight_bytes"] > 0
+    assert crashed.stats["alignment_ms_max"] >= 0 and "start_delay_ms_max" in crashed.stats
     expected, _ = reference(UNPACED)
     assert len(rows) == len(expected)
     assert rows == expected
