@@ -289,17 +289,7 @@ class KeyedStream:
     ) -> Stream:
         """A keyed operator running ``function()`` (a :class:`~coordinator.functions.
         KeyedFunction`) per subtask; its output is a stream."""
-        b = self.stream.builder
-        node = KeyedNode(
-            name,
-            parallelism or b.parallelism,
-            function,
-            self.key.serializer,
-            max_parallelism or b.max_parallelism,
-        )
-        b._add(node, parallelism is not None)
-        b._edges.append(self._edge(name, 0))
-        return Stream(b, name, ())
+        return _keyed_operator((self,), name, function, parallelism, max_parallelism)
 
     def connect(self, other: KeyedStream) -> ConnectedStreams:
         """Two keyed streams into one two-input keyed operator (same key type)."""
@@ -322,19 +312,30 @@ class ConnectedStreams:
     ) -> Stream:
         """A two-input keyed operator: ``function()`` has ``process1`` (records of the
         first stream) and ``process2`` (of the second), timers as a keyed function."""
-        b = self.first.stream.builder
-        node = KeyedNode(
-            name,
-            parallelism or b.parallelism,
-            function,
-            self.first.key.serializer,
-            max_parallelism or b.max_parallelism,
-            two_input=True,
-        )
-        b._add(node, parallelism is not None)
-        b._edges.append(self.first._edge(name, 0))
-        b._edges.append(self.second._edge(name, 1))
-        return Stream(b, name, ())
+        inputs = (self.first, self.second)
+        return _keyed_operator(inputs, name, function, parallelism, max_parallelism)
+
+
+def _keyed_operator(
+    inputs: tuple[KeyedStream, ...],
+    name: str,
+    function: Callable[[], Any],
+    parallelism: int | None,
+    max_parallelism: int | None,
+) -> Stream:
+    """Declare a keyed operator fed by ``inputs`` (input ``i`` from ``inputs[i]``)."""
+    b = inputs[0].stream.builder
+    node = KeyedNode(
+        name,
+        parallelism or b.parallelism,
+        function,
+        inputs[0].key.serializer,
+        max_parallelism or b.max_parallelism,
+        two_input=len(inputs) == 2,
+    )
+    b._add(node, parallelism is not None)
+    b._edges.extend(keyed._edge(name, i) for i, keyed in enumerate(inputs))
+    return Stream(b, name, ())
 
 
 # -- the one-shape pipeline of before: a special case --------------------------------------------
