@@ -47,6 +47,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from backends import localdirs
 from coordinator.metadata import one_line
 from coordinator.spark.config import StepConfig
 from coordinator.spark.host import BatchAck, BatchRequest, StateHost
@@ -218,14 +219,44 @@ class StateServer:
 
 
 def _take_lock(path: str) -> int | None:
-    """An exclusive ``flock`` on ``path``; None if another live process holds it."""
+    """An exclusive ``flock`` on ``path`` (which then names our pid); None if held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def live_servers(local_dir: str) -> dict[str, int]:
+    """The live state servers under ``local_dir``: their directory -> pid."""
+    found: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(local_dir):
+            path = os.path.join(entry.path, SERVER_LOCK)
+            if not entry.is_dir() or not os.path.exists(path):
+                continue
+            fd = _take_lock(path)
+            if fd is not None:  # free: nobody serves this directory
+                os.close(fd)
+                continue
+            with open(path) as fh:
+                text = fh.read().strip()
+            if text.isdigit():
+                found[entry.path] = int(text)
+    return found
+
+
+def stop_servers(local_dir: str, sig: int = signal.SIGTERM) -> list[int]:
+    """Signal every live state server under ``local_dir`` (tests, the demo); their pids."""
+    pids = list(live_servers(local_dir).values())
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return pids
 
 
 def run_server(directory: str, settings: dict[str, Any]) -> int:
@@ -237,6 +268,7 @@ def run_server(directory: str, settings: dict[str, Any]) -> int:
     path = os.path.join(directory, SOCKET)
     with contextlib.suppress(FileNotFoundError):  # a dead server's socket (we hold its lock)
         os.unlink(path)
+    localdirs.reclaim(os.path.join(directory, "rocksdb"), recursive=True)  # a killed one's
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
