@@ -51,7 +51,13 @@ from coordinator.spark.config import Fault, InjectedFault, StepConfig, schema_by
 from coordinator.spark.host import NO_CHECKPOINT, BatchAck, BatchRequest
 from coordinator.spark.partitioning import partition_values, route
 from coordinator.spark.server import ack_from_json, ack_to_json, call
-from dstl.errors import CheckpointError, ConfigError, JobFailedError, StateBackendError
+from dstl.errors import (
+    CheckpointError,
+    ConfigError,
+    JobFailedError,
+    MetadataStoreError,
+    StateBackendError,
+)
 from dstl.fileio import FileIO
 from dstl.integrity import read_verified
 
@@ -202,12 +208,15 @@ class StatefulStep:
         self.fileio.exists("")  # an unreachable store fails here, in one line
         self.output_io = None if output is None else FileIO(output, storage_options)
         self.on_output = on_output
-        self.metadata = (
-            MetadataStore(metadata)
-            if metadata
-            else MetadataStore.for_local_store(self._local_root(store))
-        )
-        self.metadata.start_attempt(job)
+        try:
+            self.metadata = (
+                MetadataStore(metadata)
+                if metadata
+                else MetadataStore.for_local_store(self._local_root(store))
+            )
+            self.metadata.start_attempt(job)
+        except MetadataStoreError as exc:  # drivers' messages span lines: one line here
+            raise type(exc)(one_line(exc)) from exc
         self.config: StepConfig | None = None
         self._spark_schema: StructType | None = None
         self._placement: list[int] | None = None
