@@ -12,12 +12,16 @@ MYPY := $(VENV)/bin/mypy
 export SPARK_LOCAL_IP := 127.0.0.1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo test lint fmt bench clean
+.PHONY: setup demo demo-embedded test lint fmt bench clean
 
 setup:
 	bash tools/setup/bootstrap.sh
 
+# The main job on Spark (local[2]); the same job on the embedded runtime: demo-embedded.
 demo: setup
+	$(PY) -m tools.demo_spark
+
+demo-embedded: setup
 	$(PY) -m tools.demo
 
 # Lint and the whole pytest suite (every marker). All steps run; any failure fails the target.

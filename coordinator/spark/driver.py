@@ -148,7 +148,9 @@ class StatefulStep:
     ``StructType``) is what ``ctx.emit`` sends, as tuples. ``output`` (a URL) gets every
     committed batch as ``part-<batch>-<task>.parquet``; ``on_output(df, batch_id)`` gets it
     as a DataFrame after the checkpoint completed, possibly again for the same batch id
-    after a driver crash, so it must be idempotent per batch id. Called by the query's
+    after a driver crash, so it must be idempotent per batch id. ``faults`` and
+    ``before_deliver`` (called after a checkpoint is recorded, before its output is
+    committed) inject failures in tests and drills. Called by the query's
     ``foreachBatch`` thread only; :attr:`progress` holds one dict per batch.
     """
 
@@ -177,6 +179,7 @@ class StatefulStep:
         local_dir: str | None = None,
         server_idle_timeout_s: float = 300.0,
         faults: tuple[Fault, ...] = (),
+        before_deliver: Callable[[CompletedCheckpoint], None] | None = None,
     ) -> None:
         if not values:
             raise ConfigError("a stateful step needs at least one value column")
@@ -208,6 +211,7 @@ class StatefulStep:
         self.fileio.exists("")  # an unreachable store fails here, in one line
         self.output_io = None if output is None else FileIO(output, storage_options)
         self.on_output = on_output
+        self._before_deliver = before_deliver
         try:
             self.metadata = (
                 MetadataStore(metadata)
@@ -251,6 +255,8 @@ class StatefulStep:
         processed = time.monotonic()
         checkpoint = self._record(config, batch_id, latest, acks, wall, started)
         recorded = time.monotonic()
+        if self._before_deliver is not None:  # fault injection: the driver dies here
+            self._before_deliver(checkpoint)
         self._deliver(df.sparkSession, checkpoint)
         self.progress.append(
             {
