@@ -13,7 +13,7 @@ import hashlib
 import os
 import pickle
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -93,7 +93,7 @@ class StepConfig:
     event_time: str | None = None
     watermark_delay_ms: int = 0
     materialization_interval_s: float = 10.0
-    local_dir: str = field(default_factory=default_local_dir)
+    local_dir: str | None = None  # None: the executor's temp dir (resolved there)
     server_idle_timeout_s: float = 300.0
     faults: tuple[Fault, ...] = ()
 
@@ -140,7 +140,7 @@ class StepConfig:
         Short (a Unix socket path holds at most 107 bytes) and distinct per job and store.
         """
         tag = hashlib.sha256(f"{self.job}\0{self.store_url}".encode()).hexdigest()[:16]
-        return os.path.join(self.local_dir, tag)
+        return os.path.join(self.local_dir or default_local_dir(), tag)
 
     def encode(self) -> bytes:
         """The bytes the state server receives (and digests)."""

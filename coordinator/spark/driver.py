@@ -265,6 +265,7 @@ class StatefulStep:
                 "records": sum(int(a.stats.get("records", 0)) for a in acks),
                 "restores": sum(1 for a in acks if a.stats.get("restored")),
                 "restore_ms": max(float(a.stats.get("restore_ms", 0.0)) for a in acks),
+                "persist_ms": round(sum(float(a.stats.get("persist_ms", 0.0)) for a in acks), 3),
                 "tasks_ms": round((processed - started) * 1e3, 3),
                 "commit_ms": round((recorded - processed) * 1e3, 3),
                 "batch_ms": round((time.monotonic() - started) * 1e3, 3),

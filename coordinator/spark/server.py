@@ -303,18 +303,25 @@ def connect(config: StepConfig) -> socket.socket:
     fd = os.open(os.path.join(directory, SPAWN_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # one spawner at a time; the others then connect
-        sock = _connect(path)
-        if sock is None:
-            _spawn(directory, config)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
             sock = _connect(path)
-        if sock is None:
-            raise StateServerError("the state server started but does not answer", path)
-        return sock
+            if sock is not None:
+                return sock
+            # "busy": an idle server is still shutting down (it holds the server lock);
+            # once it is gone, the next spawn takes over
+            if _spawn(directory, config) == "ready":
+                sock = _connect(path)
+                if sock is not None:
+                    return sock
+            time.sleep(0.2)
+        raise StateServerError("the state server does not answer", path)
     finally:
         os.close(fd)
 
 
-def _spawn(directory: str, config: StepConfig) -> None:
+def _spawn(directory: str, config: StepConfig) -> str:
+    """Start a server for ``directory``: "ready", or "busy" if another still holds it."""
     settings = {
         "store_url": config.store_url,
         "storage_options": config.storage_options,
@@ -343,8 +350,9 @@ def _spawn(directory: str, config: StepConfig) -> None:
     ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
     line = proc.stdout.readline().decode().strip() if ready else ""  # "" if it died
     proc.stdout.close()
-    if line not in ("ready", "busy"):  # "busy": another server took the directory
+    if line not in ("ready", "busy"):  # "busy": another server holds the directory
         raise StateServerError(f"the state server did not start (see {log_path})", directory)
+    return line
 
 
 def call(
