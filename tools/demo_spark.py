@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tools.demo import percentile
+
 JOB = "demo-spark"
 OPERATOR = "user-stats"
 OUTPUT_SCHEMA = "user string, count long, total long"
@@ -185,13 +187,6 @@ def run_driver(cmd: list[str], kill_after_s: float | None) -> tuple[list[dict[st
     return events, proc.wait()
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def verify(data: str, events_per_source: int, seed: int) -> tuple[bool, bool, int, int]:
     """(output matched, state matched, rows, expected rows) against a failure-free run."""
     import pyarrow.parquet as pq
@@ -292,7 +287,7 @@ def run(args: argparse.Namespace) -> DemoResult:
         ("driver runs", f"{len(runs)}: {killed} killed with SIGKILL, last exit {runs[-1][1] if runs else '?'}"),
         ("batches", f"{len(processed)} processed (some twice after a kill), "
                     f"{len(batches) - len(processed)} found complete and re-delivered"),
-        ("batch duration", f"p50 {_pct(durations, 0.5):.0f} ms, p99 {_pct(durations, 0.99):.0f} ms"),
+        ("batch duration", f"p50 {percentile(durations, 0.5):.0f} ms, p99 {percentile(durations, 0.99):.0f} ms"),
         ("restores", f"{restores} range restores in {len(processed)} batches "
                      f"(after a kill or a task failure only)"),
         ("output matched", f"{'yes' if output_ok else 'NO'} ({got} rows, expected {expected})"),

@@ -14,24 +14,12 @@ from pyspark import cloudpickle
 from backends.serializers import INT64
 from backends.state import ValueStateDescriptor
 from coordinator.functions import Context, StateAccess
+from tools.bench.spark_processors import CountSum as Counts
+
+__all__ = ["KEYS", "OUTPUT", "Counts", "Sessions", "key_of", "reference"]
 
 KEYS = 37
 OUTPUT = "k string, v long, n long, total long"
-
-
-class Counts:
-    """Per key: how many values and their sum; emits ``(key, value, n, total)``."""
-
-    def open(self, state: StateAccess) -> None:
-        self.n = state.get_state(ValueStateDescriptor("n", INT64))
-        self.total = state.get_state(ValueStateDescriptor("total", INT64))
-
-    def process(self, key: Any, value: Any, ctx: Context) -> None:
-        n = (self.n.value() or 0) + 1
-        total = (self.total.value() or 0) + value
-        self.n.update(n)
-        self.total.update(total)
-        ctx.emit((key, value, n, total))
 
 
 class Sessions:
