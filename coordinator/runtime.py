@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from backends import localdirs
 from coordinator.channels import (
     BarrierMode,
@@ -161,6 +163,10 @@ class EmbeddedRuntime:
 
     def _run(self, store: MetadataStore, restore: bool, restore_from: int | None) -> RunResult:
         p, o = self.pipeline, self.options
+        # pyarrow imports pandas (installed for pyspark) on its first array conversion:
+        # ~0.5 s holding the GIL. Here, before any task thread runs, not in the middle of a
+        # run, where it stalled barriers (tests/coordinator/test_crash_safety.py).
+        pa.array([0])
         # RocksDB working directories of attempts that were killed: their locks are free
         localdirs.reclaim()
         if o.local_dir is not None:

@@ -23,11 +23,17 @@ from dstl.handles import register_handle
 from dstl.integrity import FileRef, content_hash, read_verified
 from dstl.layout import check_location
 
+PART_SUFFIXES = ("jsonl", "parquet")
+
 
 @register_handle("sink-transaction")
 @dataclass(frozen=True, slots=True)
 class SinkTransactionHandle:
-    """A staged (pre-committed) sink transaction: its file and what it commits as."""
+    """A staged (pre-committed) sink transaction: its file and what it commits as.
+
+    ``suffix`` is the committed part's file type: ``jsonl`` (the embedded runtime's JSON
+    lines) or ``parquet`` (the Spark host's typed output).
+    """
 
     location: str
     checkpoint_id: int
@@ -35,12 +41,14 @@ class SinkTransactionHandle:
     records: int
     size_bytes: int
     content_hash: str = ""
+    suffix: str = "jsonl"
 
     TYPE_TAG: ClassVar[str]
 
     def __post_init__(self) -> None:
         check_location(self.location)
-        if self.checkpoint_id < 1 or self.records < 1:
+        # checkpoint 0 exists on the Spark host: its checkpoint ids are the batch ids
+        if self.checkpoint_id < 0 or self.records < 1 or self.suffix not in PART_SUFFIXES:
             raise ValueError(f"invalid sink transaction {self!r}")
 
     def files(self) -> list[str]:
@@ -52,9 +60,9 @@ class SinkTransactionHandle:
         return [FileRef(self.location, self.size_bytes, self.content_hash)]
 
 
-def part_name(checkpoint_id: int, subtask: int) -> str:
+def part_name(checkpoint_id: int, subtask: int, suffix: str = "jsonl") -> str:
     """Name of a committed output part (sorts by checkpoint)."""
-    return f"part-{checkpoint_id:016x}-{subtask:04x}.jsonl"
+    return f"part-{checkpoint_id:016x}-{subtask:04x}.{suffix}"
 
 
 class TransactionalFileSink:
@@ -111,7 +119,7 @@ def commit(state_io: FileIO, output_io: FileIO, txn: SinkTransactionHandle) -> b
     """Publish one staged transaction; False if it was already committed (idempotent)."""
     data = read_verified(state_io, txn.file_refs()[0])
     try:
-        output_io.write_new(part_name(txn.checkpoint_id, txn.subtask), data)
+        output_io.write_new(part_name(txn.checkpoint_id, txn.subtask, txn.suffix), data)
     except StorageConflictError:
         return False
     return True
