@@ -12,7 +12,7 @@ MYPY := $(VENV)/bin/mypy
 export SPARK_LOCAL_IP := 127.0.0.1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo test test-pythons test-fallback test-asan lint fmt bench clean
+.PHONY: setup demo demo-embedded test test-pythons test-fallback test-asan lint fmt bench clean
 
 # Interpreters besides the venv's 3.11 that the suite must pass on (python3.X on PATH or
 # installed by pyenv: tools/setup/find_python.sh).
@@ -25,8 +25,13 @@ NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.
 setup:
 	bash tools/setup/bootstrap.sh test
 
+# The main job on Spark (local[2]); the same job on the embedded runtime: demo-embedded.
 # The demo needs no PostgreSQL and no test tools (bootstrap.sh demo).
 demo:
+	bash tools/setup/bootstrap.sh demo
+	$(PY) -m tools.demo_spark
+
+demo-embedded:
 	bash tools/setup/bootstrap.sh demo
 	$(PY) -m tools.demo
 

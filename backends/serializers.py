@@ -64,6 +64,11 @@ class _Typed:
     def __hash__(self) -> int:
         return hash(self.name)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # By name: a keyed function pickled by value (the Spark host ships the driver's
+        # classes to its state servers) carries the serializers its globals name.
+        return (serializer_for, (self.name,))
+
 
 class _Struct(_Typed):
     """A fixed-width number. ``pack`` writes what ``fmt`` does; int64 and float64 use the

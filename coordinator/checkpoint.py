@@ -427,22 +427,7 @@ class CheckpointCoordinator:
         if self._previous_files is None:
             latest = self.store.latest(self.job_id)
             self._previous_files = set(latest.files()) if latest is not None else set()
-        previous = self._previous_files
-        sizes = {r.location: r.size_bytes for r in completed.file_refs()}
-        new = {f: n for f, n in sizes.items() if f not in previous}
-        return {
-            "duration_ms": round((now - cp.triggered_at) * 1e3, 3),
-            "files_total": len(sizes),
-            "files_new": len(new),
-            "files_shared": len(sizes) - len(new),
-            "bytes_total": sum(sizes.values()),
-            "bytes_new": sum(new.values()),
-            "bytes_shared": sum(sizes.values()) - sum(new.values()),
-            "subtask_stats": {
-                f"{s.operator}/{s.subtask}": s.stats for s in completed.subtasks if s.stats
-            },
-            **_barrier_stats([s.stats for s in completed.subtasks if s.stats]),
-        }
+        return checkpoint_stats(completed, self._previous_files, (now - cp.triggered_at) * 1e3)
 
     def _abort(
         self,
@@ -495,6 +480,29 @@ class CheckpointCoordinator:
                 self._fileio.delete(self._fileio.relative(url))
             except (StorageError, ConfigError) as exc:
                 log.warning("release delete failed file=%s error=%s", url, exc)
+
+
+def checkpoint_stats(
+    completed: CompletedCheckpoint, previous: set[str], duration_ms: float
+) -> dict[str, Any]:
+    """The statistics recorded with a checkpoint: duration, files and bytes, new or shared
+    with ``previous`` (the files of the checkpoint before it), every subtask's own, and
+    the barrier's cost over them (:func:`_barrier_stats`)."""
+    sizes = {r.location: r.size_bytes for r in completed.file_refs()}
+    new = {f: n for f, n in sizes.items() if f not in previous}
+    return {
+        "duration_ms": round(duration_ms, 3),
+        "files_total": len(sizes),
+        "files_new": len(new),
+        "files_shared": len(sizes) - len(new),
+        "bytes_total": sum(sizes.values()),
+        "bytes_new": sum(new.values()),
+        "bytes_shared": sum(sizes.values()) - sum(new.values()),
+        "subtask_stats": {
+            f"{s.operator}/{s.subtask}": s.stats for s in completed.subtasks if s.stats
+        },
+        **_barrier_stats([s.stats for s in completed.subtasks if s.stats]),
+    }
 
 
 def run_in_thread(target: Callable[[], None], name: str) -> threading.Thread:

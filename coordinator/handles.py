@@ -21,11 +21,18 @@ from dstl.handles import handle_to_json as _to_json
 from dstl.integrity import FileRef
 from dstl.layout import check_location
 
+PART_SUFFIXES = ("jsonl", "parquet")
+"""File types of committed sink parts."""
+
 
 @register_handle("sink-transaction")
 @dataclass(frozen=True, slots=True)
 class SinkTransactionHandle:
-    """A staged (pre-committed) sink transaction: its file and what it commits as."""
+    """A staged (pre-committed) sink transaction: its file and what it commits as.
+
+    ``suffix`` is the committed part's file type: ``jsonl`` (the embedded runtime's JSON
+    lines) or ``parquet`` (the Spark host's typed output).
+    """
 
     location: str
     checkpoint_id: int
@@ -33,12 +40,14 @@ class SinkTransactionHandle:
     records: int
     size_bytes: int
     content_hash: str = ""
+    suffix: str = "jsonl"
 
     TYPE_TAG: ClassVar[str]
 
     def __post_init__(self) -> None:
         check_location(self.location)
-        if self.checkpoint_id < 1 or self.records < 1:
+        # checkpoint 0 exists on the Spark host: its checkpoint ids are the batch ids
+        if self.checkpoint_id < 0 or self.records < 1 or self.suffix not in PART_SUFFIXES:
             raise ValueError(f"invalid sink transaction {self!r}")
 
     def files(self) -> list[str]:

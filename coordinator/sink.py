@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.handles import SinkTransactionHandle
+from coordinator.handles import PART_SUFFIXES, SinkTransactionHandle
 from dstl import layout
 from dstl.errors import StorageConflictError
 from dstl.fileio import FileIO
@@ -57,9 +57,9 @@ def decode_lines(data: bytes) -> list[Any]:
     return [json.loads(line) for line in data.decode().splitlines() if line]
 
 
-def part_name(checkpoint_id: int, subtask: int) -> str:
+def part_name(checkpoint_id: int, subtask: int, suffix: str = "jsonl") -> str:
     """Name of a committed output part (sorts by checkpoint)."""
-    return f"part-{checkpoint_id:016x}-{subtask:04x}.jsonl"
+    return f"part-{checkpoint_id:016x}-{subtask:04x}.{suffix}"
 
 
 class FilePublisher:
@@ -70,7 +70,7 @@ class FilePublisher:
 
     def publish(self, txn: SinkTransactionHandle, data: bytes) -> bool:
         try:
-            self.output_io.write_new(part_name(txn.checkpoint_id, txn.subtask), data)
+            self.output_io.write_new(part_name(txn.checkpoint_id, txn.subtask, txn.suffix), data)
         except StorageConflictError:
             return False
         return True
@@ -230,6 +230,7 @@ def read_output(output_io: FileIO) -> list[Any]:
 
 
 __all__ = [
+    "PART_SUFFIXES",
     "CollectSink",
     "FilePublisher",
     "FileSink",

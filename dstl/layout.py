@@ -9,6 +9,7 @@ hex so that a listing sorts in numeric order. Paths are relative to the store ro
     jobs/<job>/changelog/<worker>/<counter:016x>-<nonce>.parquet
     jobs/<job>/materialized/<operator>/<subtask:04x>/<mat:016x>-<nonce>/<state-file>
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>.jsonl
+    jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>-<nonce>.parquet   (Spark host)
     jobs/<job>/channel-state/<operator>/<subtask:04x>/<checkpoint:016x>.bin
     savepoints/<job>/<checkpoint:016x>/...
     .../.<name>.<pid>-<nonce>-<n>.tmp                     (local stores: a write in progress)
@@ -129,6 +130,20 @@ def sink_transaction_path(job: str, operator: str, subtask: int, checkpoint_id: 
     return f"{job_prefix(job)}/sink/{check_name('operator', operator)}/{subtask:04x}/{checkpoint_id:016x}.jsonl"
 
 
+def staged_output_path(
+    job: str, operator: str, subtask: int, checkpoint_id: int, nonce: str
+) -> str:
+    """Staged output of one task attempt of the Spark host for one checkpoint (micro-batch).
+
+    The nonce tells attempts of one batch apart: a retried or speculative task stages its
+    own file, and only the attempt whose acknowledgement completes the checkpoint counts.
+    """
+    return (
+        f"{job_prefix(job)}/sink/{check_name('operator', operator)}/"
+        f"{subtask:04x}/{checkpoint_id:016x}-{check_name('nonce', nonce)}.parquet"
+    )
+
+
 def channel_state_path(job: str, operator: str, subtask: int, checkpoint_id: int) -> str:
     """In-flight records of an unaligned checkpoint for one subtask."""
     return (
@@ -151,7 +166,7 @@ _N = r"[A-Za-z0-9_.=-]+"
 _JOB_FILE = (
     rf"jobs/{_N}/(changelog/{_N}/[0-9a-f]{{16}}-[0-9a-z]+\.parquet"
     rf"|materialized/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}-[0-9a-z]+/{_N}"
-    rf"|sink/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}\.jsonl"
+    rf"|sink/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}(?:\.jsonl|-[0-9a-z]+\.parquet)"
     rf"|channel-state/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}\.bin)"
 )
 _STORE_FILE = re.compile(rf"^(?:savepoints/{_N}/[0-9a-f]{{16}}/)?{_JOB_FILE}$")

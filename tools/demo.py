@@ -97,7 +97,8 @@ def _run_worker(cmd: list[str], kill_after: int | None) -> tuple[list[dict[str, 
     return events, proc.wait()
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank; 0 for none)."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -158,8 +159,8 @@ def run_demo(args: argparse.Namespace) -> int:
     ok = killed and code2 == 0 and finished is not None and output_ok and state_ok
     rows = [
         ("checkpoints completed", f"{len(cps)} ({sum(1 for e in first if e['event'] == 'checkpoint')} before the kill)"),
-        ("checkpoint duration", f"p50 {_pct(durations, 0.5):.1f} ms, p99 {_pct(durations, 0.99):.1f} ms"),
-        ("bytes per checkpoint", f"new p50 {_pct(new_bytes, 0.5) / 1024:.1f} KiB, p99 {_pct(new_bytes, 0.99) / 1024:.1f} KiB"),
+        ("checkpoint duration", f"p50 {percentile(durations, 0.5):.1f} ms, p99 {percentile(durations, 0.99):.1f} ms"),
+        ("bytes per checkpoint", f"new p50 {percentile(new_bytes, 0.5) / 1024:.1f} KiB, p99 {percentile(new_bytes, 0.99) / 1024:.1f} KiB"),
         ("state size", f"{finished['state_entries'] if finished else '?'} entries, "
                        f"{(cps[-1]['bytes_total'] / 1024) if cps else 0:.1f} KiB referenced"),
         ("materializations", f"{finished['materializations'] if finished else '?'} after the restore"),

@@ -28,6 +28,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
+import pyarrow as pa
+
 from backends import localdirs
 from coordinator.checkpoint import CheckpointCoordinator
 from coordinator.embedded.channel_state import ChannelState, read_channel_state
@@ -168,6 +170,10 @@ class EmbeddedRuntime:
 
     def _run(self, store: MetadataStore, restore: bool, restore_from: int | None) -> RunResult:
         g, o = self.graph, self.options
+        # pyarrow imports pandas (installed for pyspark) on its first array conversion:
+        # ~0.5 s holding the GIL. Here, before any task thread runs, not in the middle of a
+        # run, where it stalled barriers (tests/coordinator/embedded/test_crash_safety.py).
+        pa.array([0])
         # RocksDB working directories of attempts that were killed: their locks are free
         localdirs.reclaim()
         if o.local_dir is not None:

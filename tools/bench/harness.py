@@ -13,7 +13,7 @@ from typing import Any
 
 import tools.bench
 
-_NOT_BENCHMARKS = {"harness", "__main__", "workload", "flink_job"}
+_NOT_BENCHMARKS = {"harness", "__main__", "workload", "flink_job", "spark_processors"}
 
 
 def available() -> list[str]:

@@ -1,0 +1,349 @@
+"""The main job on Spark: a streaming query with its keyed state in this backend, killed and
+restarted, verified against a failure-free computation.
+
+``python -m tools.demo_spark`` (what ``make demo`` runs) writes the demo's seeded event
+stream (:mod:`tools.demo_job`: per user a count, a sum, the last five items and counts per
+category) as JSON files into ``demo-data/input``, one file per micro-batch, and runs the
+query in a driver process on ``local[2]``: a file source, the stateful step (2 key-group
+ranges, state on local disk, SQLite metadata in ``demo-data/store``), output committed as
+Parquet into ``demo-data/output``. It kills the driver with SIGKILL at random moments,
+restarts it until the input is done, then checks that the committed output and the final
+checkpointed state equal a failure-free computation, prints a summary and exits non-zero
+if anything did not match.
+
+``python -m tools.demo_spark driver ...`` is one run of the query; it prints one JSON line
+per micro-batch for the parent to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tools.demo import percentile
+
+JOB = "demo-spark"
+OPERATOR = "user-stats"
+OUTPUT_SCHEMA = "user string, count long, total long"
+
+
+def _emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def write_inputs(input_dir: str, events_per_source: int, per_batch: int, seed: int) -> int:
+    """The demo's two source streams, interleaved in order, one JSON file per batch.
+
+    ``seq`` is the event's position: each user belongs to one source stream, so ordering
+    a batch by ``seq`` replays every user's events in their generated order. Returns the
+    number of files.
+    """
+    from tools.demo_job import DemoConfig, events
+
+    config = DemoConfig(events_per_source=events_per_source, seed=seed)
+    streams = [events(config, s, config.source_parallelism, 0) for s in range(2)]
+    rows: list[dict[str, Any]] = []
+    for pair in zip(*streams, strict=True):
+        for user, (item, cents, category) in pair:
+            rows.append({"seq": len(rows), "user": user, "item": item, "cents": cents, "category": category})  # fmt: skip
+    os.makedirs(input_dir, exist_ok=True)
+    files = 0
+    for start in range(0, len(rows), per_batch):
+        path = os.path.join(input_dir, f"events-{files:05d}.json")
+        with open(path, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows[start : start + per_batch])
+        os.utime(path, (1_700_000_000 + files, 1_700_000_000 + files))  # batch order
+        files += 1
+    return files
+
+
+def driver(args: argparse.Namespace) -> int:
+    """One run of the query until the input is processed (``availableNow``)."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # workers: this venv, not python3 on PATH
+    from pyspark.sql import SparkSession
+
+    from coordinator.spark import Fault, stateful
+    from tools.demo_job import UserStats
+
+    spark = (
+        SparkSession.builder.master("local[2,4]")  # up to 4 attempts per task
+        .appName("changelog-state-demo")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    faults = tuple(
+        Fault(int(b), int(s), point) for b, s, point in (f.split(":") for f in args.fault)
+    )
+    step = stateful(
+        UserStats,
+        key="user",
+        values=["item", "cents", "category"],
+        output_schema=OUTPUT_SCHEMA,
+        job=JOB,
+        operator=OPERATOR,
+        store=os.path.join(args.data, "store"),
+        output=os.path.join(args.data, "output"),
+        state_backend=args.state_backend,
+        parallelism=args.parallelism,
+        order_by="seq",
+        materialization_interval_s=args.materialization_interval,
+        local_dir=os.path.join(args.data, "local"),
+        faults=faults,
+        before_deliver=_crash_at(args.crash_after_record),
+    )
+
+    def each(df: Any, batch_id: int) -> None:
+        step(df, batch_id)
+        _emit({"event": "batch", **step.progress[-1]})
+
+    events = (
+        spark.readStream.schema("seq long, user string, item string, cents long, category string")
+        .option("maxFilesPerTrigger", 1)
+        .json(os.path.join(args.data, "input"))
+    )
+    _emit({"event": "started"})
+    query = (
+        events.writeStream.foreachBatch(each)
+        .option("checkpointLocation", os.path.join(args.data, "spark-checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    _emit({"event": "finished"})
+    step.close()
+    spark.stop()
+    return 0
+
+
+def _crash_at(batches: list[int]) -> Any:
+    """A hook that kills this driver right after checkpoint ``b`` (in ``batches``) is
+    recorded, before its output is committed: the restarted query must find ``b``
+    complete and deliver its output again, not process it again."""
+    marker_dir = os.environ.get("DEMO_SPARK_CRASHED_DIR", "")
+
+    def hook(checkpoint: Any) -> None:
+        marker = os.path.join(marker_dir, f"crashed-{checkpoint.checkpoint_id}")
+        if checkpoint.checkpoint_id in batches and not os.path.exists(marker):
+            open(marker, "w").close()  # once per batch, across driver runs
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook if batches else None
+
+
+def run_driver(cmd: list[str], kill_after_s: float | None) -> tuple[list[dict[str, Any]], int]:
+    """Run one driver; SIGKILL it ``kill_after_s`` seconds after its first batch ended
+    (so every run gets somewhere, and the kill lands in a later batch, at any phase)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read(stream: Any) -> None:  # the reader thread: the pipe's lines, then None
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, args=(proc.stdout,), name="demo-driver-out")
+    reader.start()
+    events: list[dict[str, Any]] = []
+    deadline: float | None = None
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            os.kill(proc.pid, signal.SIGKILL)  # a real crash: no cleanup, nothing flushed
+            kill_after_s = None
+            deadline = None
+            continue
+        if line is None:
+            break
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        events.append(event)
+        if event.get("event") == "batch" and deadline is None and kill_after_s is not None:
+            deadline = time.monotonic() + kill_after_s
+    reader.join()
+    proc.stdout.close()
+    return events, proc.wait()
+
+
+def verify(data: str, events_per_source: int, seed: int) -> tuple[bool, bool, int, int]:
+    """(output matched, state matched, rows, expected rows) against a failure-free run."""
+    import pyarrow.parquet as pq
+
+    from coordinator.metadata import MetadataStore
+    from dstl.fileio import FileIO
+    from tools.demo_job import DemoConfig, reference
+    from tools.restore import plan_restore, restore_operator
+
+    expected_rows, expected_state = reference(
+        DemoConfig(events_per_source=events_per_source, seed=seed)
+    )
+    output_dir = os.path.join(data, "output")
+    rows: list[tuple[str, int, int]] = []
+    if os.path.isdir(output_dir):
+        table = pq.read_table(output_dir)
+        rows = sorted(zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True))
+    store_dir = os.path.join(data, "store")
+    store = MetadataStore.for_local_store(store_dir, create=False)
+    latest = store.latest(JOB)
+    store.close()
+    state_ok = False
+    if latest is not None:
+        plan = plan_restore(latest, os.path.join(data, "restored"))
+        snapshot = restore_operator(FileIO(store_dir), plan.operators[OPERATOR])
+        state = {
+            name: {k: v for entries in table.values() for k, v in entries.items()}
+            for name, table in snapshot.tables.items()
+        }
+        state_ok = state == expected_state
+    return rows == expected_rows, state_ok, len(rows), len(expected_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """What a demo run did and found."""
+
+    ok: bool
+    killed: int
+    replayed: int
+    restores: int
+    output_ok: bool
+    state_ok: bool
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Kill-and-restart the query until done, verify, print the summary; 0 if all matched."""
+    return 0 if run(args).ok else 1
+
+
+def run(args: argparse.Namespace) -> DemoResult:
+    """:func:`run_demo`, returning what happened."""
+    from coordinator.spark.server import stop_servers
+
+    data = os.path.abspath(args.data)
+    if os.path.exists(data):
+        shutil.rmtree(data)
+    files = write_inputs(os.path.join(data, "input"), args.events, args.per_batch, args.seed)
+    cmd = [
+        sys.executable, "-m", "tools.demo_spark", "driver",
+        "--data", data,
+        "--state-backend", args.state_backend,
+        "--parallelism", str(args.parallelism),
+        "--materialization-interval", str(args.materialization_interval),
+        *[a for f in args.fault for a in ("--fault", f)],
+        *[a for b in args.crash_after_record for a in ("--crash-after-record", str(b))],
+    ]  # fmt: skip
+    os.environ["DEMO_SPARK_CRASHED_DIR"] = data
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    runs: list[tuple[list[dict[str, Any]], int]] = []
+    try:
+        for _ in range(args.kills):
+            runs.append(run_driver(cmd, rng.uniform(args.kill_min_s, args.kill_max_s)))
+            if runs[-1][1] == 0:
+                break  # done before the kill
+        code = 0
+        for _ in range(args.kills + len(args.crash_after_record) + 3):
+            events, code = run_driver(cmd, None)
+            runs.append((events, code))
+            if code == 0:
+                break
+    finally:
+        stop_servers(os.path.join(data, "local"))
+    elapsed = time.monotonic() - started
+    killed = sum(1 for _, c in runs if c == -signal.SIGKILL)
+    replayed = sum(1 for events, _ in runs for e in events if e.get("replayed"))
+    batches = [e for events, _ in runs for e in events if e.get("event") == "batch"]
+    processed = [b for b in batches if not b.get("replayed")]
+    durations = [float(b["batch_ms"]) for b in processed]
+    output_ok, state_ok, got, expected = verify(data, args.events, args.seed)
+    finished = bool(runs) and runs[-1][1] == 0
+    ok = finished and output_ok and state_ok and (killed > 0 or args.kills == 0)
+    ok = ok and replayed >= len(args.crash_after_record)
+    restores = sum(int(b.get("restores", 0)) for b in processed)
+    rows = [
+        ("input", f"{2 * args.events} events in {files} files (one per micro-batch)"),
+        ("driver runs", f"{len(runs)}: {killed} killed with SIGKILL, last exit {runs[-1][1] if runs else '?'}"),
+        ("batches", f"{len(processed)} processed (some twice after a kill), "
+                    f"{len(batches) - len(processed)} found complete and re-delivered"),
+        ("batch duration", f"p50 {percentile(durations, 0.5):.0f} ms, p99 {percentile(durations, 0.99):.0f} ms"),
+        ("restores", f"{restores} range restores in {len(processed)} batches "
+                     f"(after a kill or a task failure only)"),
+        ("output matched", f"{'yes' if output_ok else 'NO'} ({got} rows, expected {expected})"),
+        ("final state matched", "yes" if state_ok else "NO"),
+        ("wall time", f"{elapsed:.1f} s"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    print(
+        f"demo job on Spark (local[2], {args.state_backend}, {args.parallelism} ranges): "
+        "file source -> stateful step -> committed Parquet"
+    )
+    for k, v in rows:
+        print(f"  {k.ljust(width)}  {v}")
+    statectl = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "statectl"))
+    print("\nThe store is kept; try:")
+    print(f"  {statectl} checkpoints list --store {os.path.relpath(data)}/store")
+    print("\nRESULT: " + ("OK" if ok else "MISMATCH"))
+    return DemoResult(ok, killed, replayed, restores, output_ok, state_ok)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of the demo and of its driver."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.demo_spark",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("mode", nargs="?", choices=["demo", "driver"], default="demo")
+    parser.add_argument("--data", default="demo-data/spark")
+    parser.add_argument("--events", type=int, default=30_000, help="events per source stream")
+    parser.add_argument("--per-batch", type=int, default=3_000, help="events per micro-batch")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--state-backend", choices=["heap", "rocksdb"], default="heap")
+    parser.add_argument("--parallelism", type=int, default=2)
+    parser.add_argument("--materialization-interval", type=float, default=5.0)
+    parser.add_argument("--kills", type=int, default=3, help="driver runs killed with SIGKILL")
+    parser.add_argument("--kill-min-s", type=float, default=4.0)
+    parser.add_argument("--kill-max-s", type=float, default=12.0)
+    parser.add_argument(
+        "--fault", action="append", default=[], help="BATCH:TASK:POINT (mid|after) to inject"
+    )
+    parser.add_argument(
+        "--crash-after-record",
+        type=int,
+        action="append",
+        default=[],
+        help="kill the driver once after this batch's checkpoint is recorded, before its output is committed",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``python -m tools.demo_spark [driver] [options]``."""
+    args = build_parser().parse_args(argv)
+    return driver(args) if args.mode == "driver" else run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
