@@ -104,8 +104,14 @@ class _Debloater:
         elapsed = now - self._start
         if elapsed < self.options.period_s:
             return
-        busy = max(elapsed - self._idle, 1e-6)
-        measured = self._records / busy
+        busy = elapsed - self._idle
+        if self._records == 0 and busy < 0.5 * elapsed:
+            # Mostly idle and nothing came: no measurement. Halving the rate on every
+            # idle period shrank an inbox to its minimum while its sender was stalled,
+            # and the sender then filled it in small batches when it resumed.
+            self._start, self._idle = now, 0.0
+            return
+        measured = self._records / max(busy, 1e-6)
         a = self.options.alpha
         self.rate = measured if self.rate is None else a * measured + (1 - a) * self.rate
         capacity = int(self.rate * self.options.target_s)

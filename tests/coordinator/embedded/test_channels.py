@@ -394,6 +394,26 @@ def test_debloating_sizes_the_inbox_to_the_measured_throughput() -> None:
     assert gate.inbox.batch_hint() == 50
 
 
+def test_an_idle_period_keeps_the_measured_capacity() -> None:
+    # Regression: with nothing delivered, an idle period measured 0 records/s and halved
+    # the rate each period, down to the minimum, while the sender was merely stalled.
+    clock = ManualClock()
+    options = DebloatOptions(target_s=0.1, period_s=1.0, alpha=0.5)
+    gate = InputGate(1, capacity=10_000, debloat=options, clock=clock)
+    for _ in range(16):
+        gate.put(0, list(range(125)))
+        assert gate.next(timeout=0) is not None
+        clock.now += 0.0625
+    gate.next(timeout=0)
+    assert gate.inbox.capacity == 200
+    start = clock.now
+    times = iter([start + t for i in range(5) for t in (i, i + 1.0)])
+    gate._clock = lambda: next(times)
+    for _ in range(5):  # idle: each wait of 1 s (the clock moves inside it) brings nothing
+        assert gate.next(timeout=0) is None
+    assert gate.inbox.capacity == 200
+
+
 # -- random interleavings ---------------------------------------------------------------------
 def _script(draw: Callable[..., Any], channels: int, checkpoints: int) -> list[list[Any]]:
     """Per channel: record batches (unique ids) and the barriers, in channel order."""
