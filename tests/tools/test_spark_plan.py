@@ -91,10 +91,17 @@ def test_slices_cut_at_pieces_and_subtasks_and_merge_small_ones() -> None:
     ]
     assert [s.estimated_rows for s in fine] == [116, 116, 132, 64]
     assert [s.handles for s in fine] == [(h0,), (h0,), (h0,), (h1,)]
-    two = slices([h0, h1], "s", 250)
-    assert [s.key_groups for s in two] == [KeyGroupRange(0, 32), KeyGroupRange(32, 128)]
-    assert two[1].handles == (h0, h1)
-    assert [s.key_groups for s in slices([h0, h1], "s", 10**9)] == [KeyGroupRange(0, 128)]
+    two = slices([h0, h1], "s", 250)  # merged up to the limit, never across subtasks
+    assert [s.key_groups for s in two] == [
+        KeyGroupRange(0, 32),
+        KeyGroupRange(32, 64),
+        KeyGroupRange(64, 128),
+    ]
+    whole = slices([h0, h1], "s", 10**9)
+    assert [(s.key_groups, s.handles) for s in whole] == [
+        (KeyGroupRange(0, 64), (h0,)),
+        (KeyGroupRange(64, 128), (h1,)),
+    ]
 
 
 def _cp(cid: int, *handles: KeyedStateHandle) -> CompletedCheckpoint:

@@ -3,9 +3,9 @@
 State: :func:`plan_state` resolves the checkpoint (an id or ``latest``), the operator, the
 state and its declaration (:func:`discover_states`: from the materialized tables' metadata,
 the log's META records only when a state is not there), then cuts the operator's
-key-group space into :class:`StateSlice` s: at the boundaries of the subtasks' ranges and
-of the state's materialized pieces, merged while they hold fewer than
-``rowsPerPartition`` estimated entries. Each slice is one Spark partition: it restores its
+key-group space into :class:`StateSlice` s: each subtask's range at the boundaries of the
+state's materialized pieces, merged while they hold fewer than ``rowsPerPartition``
+estimated entries. Each slice is one Spark partition: it restores its
 own key groups from the handles that hold them, reading only the pieces of that range.
 
 Change feed: :func:`plan_changes` defines the changes *between* checkpoints A and B as,
@@ -215,20 +215,21 @@ def slices(
     handles: Sequence[KeyedStateHandle], state: str, rows_per_partition: int
 ) -> list[StateSlice]:
     """Contiguous key-group ranges of about ``rows_per_partition`` estimated entries of
-    ``state``, cut at subtask and piece boundaries, with the handles each one needs."""
-    atoms = [a for h in sorted(handles, key=lambda h: h.key_group_start) for a in _atoms(h, state)]
+    ``state``, cut at piece boundaries, never across two subtasks (a read is at least as
+    parallel as the job that wrote the state), with the handles each one needs."""
     out: list[StateSlice] = []
-    lo: int | None = None
-    hi, rows = 0, 0.0
-    for a_lo, a_hi, a_rows in atoms:
-        if lo is not None and (a_lo != hi or rows + a_rows > rows_per_partition):
+    for h in sorted(handles, key=lambda h: h.key_group_start):
+        lo: int | None = None
+        hi, rows = 0, 0.0
+        for a_lo, a_hi, a_rows in _atoms(h, state):
+            if lo is not None and rows + a_rows > rows_per_partition:
+                out.append(_slice(handles, lo, hi, rows))
+                lo = None
+            if lo is None:
+                lo, rows = a_lo, 0.0
+            hi, rows = a_hi, rows + a_rows
+        if lo is not None:
             out.append(_slice(handles, lo, hi, rows))
-            lo = None
-        if lo is None:
-            lo, rows = a_lo, 0.0
-        hi, rows = a_hi, rows + a_rows
-    if lo is not None:
-        out.append(_slice(handles, lo, hi, rows))
     return out
 
 
