@@ -8,15 +8,14 @@ from another branch of the job's history, one of other key groups).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+import dataclasses
 from typing import Any
 
 import pytest
 
-from backends import ChangelogKeyedStateBackend, KeyedStateHandle, KeyGroupRange, restore_into
+from backends import ChangelogKeyedStateBackend, KeyedStateHandle, KeyGroupRange
 from backends.restore import restore_changelog_backend
-from dstl import ChangelogStorage, FileIO, layout
+from dstl import layout
 from materializer import Materializer
 from materializer.compaction import (
     FoldTask,
@@ -31,40 +30,17 @@ from tests.backends.conftest import MAX_PAR, STORES, Factory
 from tests.backends.helpers import dump, merge_dumps, workload
 
 
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[Factory]:
-    fileio = FileIO(str(tmp_path / "store"))
-    with ChangelogStorage(fileio, "job", "w0") as storage:
-        f = Factory(tmp_path, storage, fileio)
-        try:
-            yield f
-        finally:
-            f.close()
-
-
 def _dir(subtask: int = 0, checkpoint: int = 1) -> str:
     return layout.compaction_dir("job", "op", subtask, checkpoint, "t0")
 
 
 def _restored(factory: Factory, kind: str, handles: list[KeyedStateHandle], q: int = 1) -> Any:
-    dumps = []
-    for s in range(q):
-        nb = factory.store(kind, KeyGroupRange.for_subtask(s, q, MAX_PAR))
-        restore_into(nb, factory.fileio, handles)
-        dumps.append(dump(nb))
-    return merge_dumps(dumps)
+    return factory.restored(kind, handles, q)
 
 
 def _only(handle: KeyedStateHandle, mat: Any) -> KeyedStateHandle:
-    return KeyedStateHandle(
-        handle.backend_id,
-        handle.key_group_start,
-        handle.key_group_end,
-        handle.key_serializer,
-        handle.max_parallelism,
-        (mat,),
-        (),
-    )
+    """``handle`` resting on ``mat`` alone (what a checkpoint after adopting it holds)."""
+    return dataclasses.replace(handle, materialized=(mat,), changelog=())
 
 
 @pytest.mark.parametrize("source", STORES)
