@@ -151,14 +151,27 @@ def discover_states(
                         for meta in metas.values():
                             found.setdefault(meta.name, meta.untrusted())
     if wanted is None or wanted not in found:
-        for h in handles:
-            for table in read_changes(fileio, h.changelog):
-                metas = table.filter(pc.equal(table["op"], int(Op.META)))
-                for value in metas["value"].to_pylist():
-                    meta = StateMeta.from_json(value)
-                    found.setdefault(meta.name, meta.untrusted())
+        found.update(_log_declarations(fileio, handles, wanted))
     for name in found:
         plain_name("state", name)
+    return found
+
+
+def _log_declarations(
+    fileio: FileIO, handles: Sequence[KeyedStateHandle], wanted: str | None
+) -> dict[str, StateMeta]:
+    """States declared in the log (META records), in log order; stops at ``wanted``: a
+    writer logs a state's META before its first change, so that is usually the first
+    block read, not the whole log."""
+    found: dict[str, StateMeta] = {}
+    for h in handles:
+        for table in read_changes(fileio, h.changelog):
+            metas = table.filter(pc.equal(table["op"], int(Op.META)))
+            for value in metas["value"].to_pylist():
+                meta = StateMeta.from_json(value)
+                found.setdefault(meta.name, meta.untrusted())
+            if wanted is not None and wanted in found:
+                return found
     return found
 
 
