@@ -151,6 +151,13 @@ def test_across_a_rescaled_restore_new_writers_follow_old_ones(spark: Any, rec: 
         assert {r.writer for r in rows} >= {"op-0-a0", "op-0-a1", "op-2-a1"}
 
 
+def test_no_change_is_an_empty_feed(spark: Any, rec: Recorder) -> None:
+    workload(rec.backends[0], 5, 200, rec.factory.clock)
+    a = rec.checkpoint().checkpoint_id
+    b = rec.checkpoint().checkpoint_id
+    assert _feed(spark, rec, "count", a, b).count() == 0  # Spark reads one empty stand-in
+
+
 def test_a_materialization_in_between_is_an_error_not_a_short_feed(
     spark: Any, rec: Recorder
 ) -> None:

@@ -104,6 +104,8 @@ class StateReader(DataSourceReader):
         """The rows of one slice, as Arrow batches of exactly the declared schema."""
         tgt = self.target
         part = partition.value
+        if part is None:  # Spark's stand-in when there is no partition (an empty feed)
+            return
         if self.feed:
             for table in read_changes(self.fileio, part, tgt.meta, tgt.key_serializer):
                 yield from batches(table, self.arrow)
