@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from backends.tables import DEFAULT_PIECE_ROWS
+from materializer.compaction import DEFAULT_TASK_ROWS
 from tools.cli.common import Context, checkpoint_ref, resolve_checkpoint
 
 EXIT_OK = 0
@@ -85,13 +87,13 @@ def register(sub: Any, make: Any) -> None:
     cmp.add_argument(
         "--piece-rows",
         type=_positive,
-        default=8192,
+        default=DEFAULT_PIECE_ROWS,
         help="about how many keys a table piece holds (default: %(default)s, as the job's own)",
     )
     cmp.add_argument(
         "--task-rows",
         type=_positive,
-        default=500_000,
+        default=DEFAULT_TASK_ROWS,
         help="about how many entries one Spark task folds (default: %(default)s)",
     )
     cmp.set_defaults(func=cmd_compact)

@@ -28,6 +28,7 @@ s3fs's usual sources (environment, config files): options show up in Spark's pla
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +74,7 @@ class ReadOptions:
 def _ref(name: str, text: str) -> int | str:
     try:
         return checkpoint_ref(text)
-    except Exception as exc:  # argparse's ArgumentTypeError
+    except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"option {name}: {exc}") from None
 
 
