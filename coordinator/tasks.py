@@ -48,6 +48,7 @@ from coordinator.sink import SinkTransactionHandle, TransactionalFileSink, commi
 from dstl.changelog import ChangelogStorage
 from dstl.errors import (
     ConfigError,
+    MetadataStoreError,
 )
 from dstl.fileio import FileIO
 from materializer import (
@@ -269,6 +270,8 @@ class OperatorTask:
             name=self.name,
         )
         self.materializations = 0
+        self.compactions_adopted = 0
+        self._compactions_seen = 0  # the highest registered compaction id looked at
         self._reported_materialization = 0  # id of the last one put into checkpoint stats
         self._materialization_stats: dict[str, Any] | None = None
 
@@ -310,7 +313,11 @@ class OperatorTask:
         ctx = runner.context  # set up per batch, not per record: the hot path
         ctx.timestamp, ctx.time_domain = None, None
         while True:
-            if self.full is None and self.materialization.run_once() is not None:
+            if (
+                self.full is None
+                and self.rt.options.materialization == "online"
+                and self.materialization.run_once() is not None
+            ):
                 self.materializations += 1
             runner.advance_processing_time(_wall_ms(), emit)
             item = self.gate.next(timeout=0.05)
@@ -363,8 +370,35 @@ class OperatorTask:
                 self.backend.writer.reset(message.checkpoint_id)
                 self.materialization.on_checkpoint_aborted(message.checkpoint_id)
 
+    def _adopt_compaction(self) -> None:
+        """Rest this subtask's state on the newest offline compaction registered for it
+        since the last look, if the backend accepts it (``adopt``: not older than its
+        base, nothing its history lacks). At a barrier, before the checkpoint, so that
+        the checkpoint references it; the metadata store decides the registration when
+        the checkpoint is recorded (:mod:`coordinator.compactions`)."""
+        assert self.coordinator is not None
+        if not isinstance(self.backend, ChangelogKeyedStateBackend):
+            return
+        try:
+            found = self.coordinator.store.pending_compactions(
+                self.rt.pipeline.job_id,
+                self.rt.pipeline.operator.name,
+                self.subtask,
+                self._compactions_seen,
+            )
+        except MetadataStoreError as exc:  # looked at again at the next barrier
+            log.warning("compactions not looked up task=%s error=%s", self.name, exc)
+            return
+        self._compactions_seen = max([self._compactions_seen, *(c.compaction_id for c in found)])
+        for c in found:  # newest source first
+            if self.backend.adopt(c.handle):
+                self.compactions_adopted += 1
+                log.info("compaction adopted task=%s id=%d", self.name, c.compaction_id)
+                return
+
     def _checkpoint(self, checkpoint_id: int) -> None:
         started = time.monotonic()
+        self._adopt_compaction()
         mat = self.materialization.last_applied if self.full is None else self.full.last_stats
         if mat is not None and mat.materialization_id != self._reported_materialization:
             self._reported_materialization = mat.materialization_id

@@ -1,6 +1,9 @@
 """Dependencies point one way: dstl <- backends <- materializer <- coordinator <- tools.
 
-A package may import itself and the packages to its left, never one to its right.
+A package may import itself and the packages to its left, never one to its right; and
+pyspark is imported only by the Spark host (``coordinator.spark``) and the Spark tools
+(``tools.spark``, and the benchmark against Spark's own state store), so nothing else
+needs a JVM or pays for importing it.
 Checked statically (ast) on every .py file of the five packages, including imports inside
 functions and ``if TYPE_CHECKING:`` blocks, and ``importlib.import_module("...")`` /
 ``__import__("...")`` with a literal name.
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 
 LAYERS = ("dstl", "backends", "materializer", "coordinator", "tools")
+# The Spark benchmark also runs Spark's own state store, the peer it is measured against.
+SPARK_PACKAGES = ("coordinator.spark", "tools.spark", "tools.bench.spark_pipeline")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -48,10 +53,18 @@ def check_source(source: str, module: str, *, is_package: bool = False) -> list[
     tree = ast.parse(source, filename=module)
     found: list[Violation] = []
 
+    in_spark = any(module == p or module.startswith(p + ".") for p in SPARK_PACKAGES)
+
     def check(line: int, target: str) -> None:
         top = target.split(".")[0]
         if not _allowed(own, top):
             found.append(Violation(module, line, target, f"{own} may not import {top} (above it)"))
+        elif top == "pyspark" and not in_spark:
+            found.append(
+                Violation(
+                    module, line, target, f"only {' and '.join(SPARK_PACKAGES)} import pyspark"
+                )
+            )
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -150,6 +163,10 @@ BAD = [
     ("backends.heap", "__import__('tools')\n"),
     ("backends.heap", "from ... import x\n"),  # backends.heap: '..' is already the root
     ("dstl", "from .. import x\n"),  # dstl/__init__.py
+    ("tools.cli.compact", "from pyspark.sql import SparkSession\n"),
+    ("tools.bench.compaction", "import pyspark\n"),
+    ("coordinator.tasks", "def f():\n    import pyspark.sql.functions as F\n"),
+    ("tools.sparkling", "import pyspark\n"),  # a prefix of tools.spark is not it
 ]
 
 GOOD = [
@@ -162,6 +179,9 @@ GOOD = [
     ("tools.cli", "import coordinator, materializer, backends, dstl, tools.bench\n"),
     ("tools.bench.run", "from .. import cli\n"),
     ("backends.heap", "importlib.import_module('.x', 'backends')\n"),  # relative: own package
+    ("tools.spark.source", "from pyspark.sql.datasource import DataSource\n"),
+    ("tools.spark", "import pyspark\n"),
+    ("coordinator.spark.host", "import pyspark.sql\nfrom coordinator import metadata\n"),
 ]
 
 

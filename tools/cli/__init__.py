@@ -11,7 +11,8 @@ Exit codes:
 4      corrupt (a file whose size or hash is not the recorded one, a damaged metadata
        database or record, state that does not match its declaration)
 5      refused (the target exists or is inside the store or holds it, an option the
-       store refuses: an invalid job name, a storage option s3fs does not take)
+       store refuses: an invalid job name, a storage option s3fs does not take; a
+       compaction that newer state of its job superseded)
 6      local I/O error (a full disk, a target that cannot be written)
 =====  =================================================================================
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import backends.handles  # noqa: F401 - registers the handle types stored in checkpoints
 import coordinator.sink  # noqa: F401 - registers the sink transaction handle
+from coordinator.errors import CompactionSupersededError
 from coordinator.metadata import one_line
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -44,7 +46,7 @@ from dstl.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from tools.cli import checkpoints, maintain, state
+from tools.cli import checkpoints, compact, maintain, state
 from tools.cli.common import Context, Output, Parser, add_common
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CORRUPT, EXIT_REFUSED, EXIT_IO = range(7)
@@ -61,6 +63,7 @@ EXAMPLES = """examples:
   statectl savepoint --store demo-data                (the latest checkpoint, self-contained)
   statectl gc --store demo-data                       (dry run: orphans older than a day)
   statectl gc --store demo-data --job demo --min-age-s 3600 --delete
+  statectl compact --store demo-data --job demo       (on a local Spark session)
 """
 
 
@@ -86,7 +89,7 @@ def build_parser() -> Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (checkpoints, state, maintain):
+    for module in (checkpoints, state, maintain, compact):
         module.register(sub, _make)
     return parser
 
@@ -113,7 +116,7 @@ def _exit_code(exc: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(exc, CorruptionError | SchemaMismatchError):
         return EXIT_CORRUPT
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, ConfigError | CompactionSupersededError):
         return EXIT_REFUSED
     if isinstance(exc, StateBackendError):
         return EXIT_FAIL
