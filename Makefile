@@ -29,7 +29,7 @@ setup:
 # The demo needs no PostgreSQL and no test tools (bootstrap.sh demo).
 demo:
 	bash tools/setup/bootstrap.sh demo
-	$(PY) -m tools.demo_spark
+	$(PY) -m tools.spark.demo
 
 demo-embedded:
 	bash tools/setup/bootstrap.sh demo

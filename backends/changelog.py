@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 from backends._heapstate import HeapList, HeapMap, HeapValue
 from backends.backend import KeyedStateBackend
 from backends.batch import prepare_batch
-from backends.handles import KeyedStateHandle, MaterializationHandle
+from backends.handles import KeyedStateHandle, MaterializationHandle, replacement_problem
 from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, pack_list
@@ -542,3 +542,30 @@ class ChangelogKeyedStateBackend(Generic[B]):
         self.writer.truncate(handle.sqn)
         # The META records before handle.sqn are gone from future checkpoints' logs, but
         # the materialized tables carry every state's metadata.
+
+    def adoption_problem(self, handle: MaterializationHandle) -> str | None:
+        """Why :meth:`adopt` would refuse ``handle`` (None: it would adopt it)."""
+        return replacement_problem(
+            handle, self.key_group_range, self.base, self.restored_log, self.backend_id
+        )
+
+    def adopt(self, handle: MaterializationHandle) -> bool:
+        """Rest later checkpoints on ``handle``, a materialization made elsewhere (an
+        offline compaction of this state); False, and nothing changes, if it may not
+        replace the current base (:func:`~backends.handles.replacement_problem`).
+
+        The local store is untouched: it already holds this state. Later checkpoints
+        reference ``handle`` and, of each writer's log, only what it does not cover; the
+        writer truncates its own log below its coverage. Task thread only.
+        """
+        if self.adoption_problem(handle) is not None:
+            return False
+        own = handle.covered_sqn(self.backend_id)
+        self.base = (handle,)
+        self.restored_log = tuple(
+            c for c in self.restored_log if c.sqn_end > handle.covered_sqn(c.writer_id)
+        )
+        if own > self._log_from_sqn:
+            self._log_from_sqn = own
+            self.writer.truncate(own)
+        return True

@@ -1,7 +1,17 @@
-"""Handles of keyed state: materialized files and a backend's complete checkpoint state."""
+"""Handles of keyed state: materialized files and a backend's complete checkpoint state.
+
+Coverage: a materialization holds the state that a set of writers' logs built up to
+given sequence numbers (its *coverage*, writer -> sqn); restore replays each writer's
+log from there. An online materialization covers one writer (its own backend); an
+offline compaction covers every writer whose log the compacted state was built from
+(a restored or rescaled state has logs of several). :func:`replacement_problem` says
+whether a materialization may replace a state's current base (what adopting an offline
+compaction, and registering one, must check).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,7 +80,10 @@ def file_id_of(content_hash: str) -> str:
 class MaterializationHandle:
     """A materialized snapshot of one backend: every file it needs and the log position.
 
-    It covers exactly the changes of writer ``writer_id`` with ``sqn < sqn``; files may be
+    It covers exactly the changes of writer ``writer_id`` with ``sqn < sqn``, and of each
+    writer ``w`` of ``covers`` with sqn below its own ``s`` (``((w, s), ...)``, sorted by
+    writer, none of them ``writer_id``: an offline compaction of a state built from
+    several writers' logs; records written before it existed have none). Files may be
     shared with earlier materializations. ``kind`` names the table format: ``heap-parquet``
     (typed Parquet state tables) or ``rocksdb-sst`` (a RocksDB checkpoint's files plus
     ``STATE-META.json``); restore dispatches on it.
@@ -83,6 +96,7 @@ class MaterializationHandle:
     kind: str
     state_files: tuple[StateFileHandle, ...]
     materialization_id: int = 0
+    covers: tuple[tuple[str, int], ...] = ()
 
     TYPE_TAG: ClassVar[str]
 
@@ -90,6 +104,32 @@ class MaterializationHandle:
         if self.sqn < 0:
             raise ValueError("materialization sqn must be >= 0")
         KeyGroupRange(self.key_group_start, self.key_group_end)
+        writers = []
+        for pair in self.covers:
+            if (
+                not isinstance(pair, tuple)
+                or len(pair) != 2
+                or not isinstance(pair[0], str)
+                or not isinstance(pair[1], int)
+                or pair[1] < 0
+            ):
+                raise ValueError(f"covers entries are (writer, sqn >= 0), not {pair!r}")
+            writers.append(pair[0])
+        if writers != sorted(set(writers)) or self.writer_id in writers:
+            raise ValueError(f"covers must name distinct writers in order, not {self.writer_id}")
+
+    def covered_sqn(self, writer_id: str) -> int:
+        """The first sqn of ``writer_id``'s log this materialization does not hold."""
+        if writer_id == self.writer_id:
+            return self.sqn
+        for writer, sqn in self.covers:
+            if writer == writer_id:
+                return sqn
+        return 0
+
+    def coverage(self) -> dict[str, int]:
+        """Every writer this materialization covers -> the first sqn it does not hold."""
+        return {self.writer_id: self.sqn, **dict(self.covers)}
 
     @property
     def key_group_range(self) -> KeyGroupRange:
@@ -139,7 +179,12 @@ class KeyedStateHandle:
 
     def replay_from(self, writer_id: str) -> int:
         """The first sqn of ``writer_id``'s log not covered by a materialization."""
-        return max((m.sqn for m in self.materialized if m.writer_id == writer_id), default=0)
+        return max((m.covered_sqn(writer_id) for m in self.materialized), default=0)
+
+    def coverage(self) -> dict[str, int]:
+        """How far the state reaches in each writer's log: writer -> the first sqn it does
+        not hold (the furthest of its materializations and changelog blocks)."""
+        return extent(self.materialized, self.changelog)
 
     def files(self) -> list[str]:
         """Every durable file the state needs (deduplicated, in order)."""
@@ -155,3 +200,54 @@ class KeyedStateHandle:
             for r in c.file_refs():
                 seen.setdefault(r.location, r)
         return list(seen.values())
+
+
+def extent(
+    materialized: Sequence[MaterializationHandle], changelog: Sequence[ChangelogHandle]
+) -> dict[str, int]:
+    """Writer -> the first sqn that ``materialized`` plus ``changelog`` do not hold."""
+    out: dict[str, int] = {}
+    for m in materialized:
+        for writer, sqn in m.coverage().items():
+            out[writer] = max(out.get(writer, 0), sqn)
+    for c in changelog:
+        out[c.writer_id] = max(out.get(c.writer_id, 0), c.sqn_end)
+    return out
+
+
+def replacement_problem(
+    candidate: MaterializationHandle,
+    key_groups: KeyGroupRange,
+    base: Sequence[MaterializationHandle],
+    changelog: Sequence[ChangelogHandle],
+    live_writer: str | None = None,
+) -> str | None:
+    """Why ``candidate`` may not replace ``base`` as the materialization of a state of
+    ``key_groups`` whose log is ``changelog`` (``None``: it may).
+
+    It may when it holds exactly these key groups, is not older than ``base`` (it covers
+    every writer at least as far) and holds nothing the state's history lacks (no
+    writer's changes beyond what ``base`` plus ``changelog`` reach; ``live_writer``, the
+    state's own writer that is still appending, reaches arbitrarily far). Then the state
+    equals ``candidate`` plus the replay of each writer's log from its coverage. Pure.
+    """
+    if candidate.key_group_range != key_groups:
+        return (
+            f"it holds key groups [{candidate.key_group_start}, {candidate.key_group_end}), "
+            f"the state [{key_groups.start}, {key_groups.end})"
+        )
+    for m in base:
+        for writer, sqn in m.coverage().items():
+            if candidate.covered_sqn(writer) < sqn:
+                return (
+                    f"it is older than the current materialization (writer {writer}: "
+                    f"sqn {candidate.covered_sqn(writer)} < {sqn})"
+                )
+    reach = extent(base, changelog)
+    for writer, sqn in candidate.coverage().items():
+        if sqn > 0 and writer != live_writer and sqn > reach.get(writer, 0):
+            return (
+                f"it holds changes of writer {writer} up to sqn {sqn} that the state's history "
+                f"lacks (it reaches {reach.get(writer, 0)}): the job restored an older checkpoint"
+            )
+    return None

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from backends.backend import KeyedStateBackend
 from backends.changelog import ChangelogKeyedStateBackend
 from backends.errors import LocalStoreError
-from backends.handles import KeyedStateHandle, MaterializationHandle
+from backends.handles import KeyedStateHandle, MaterializationHandle, StateFileHandle
 from backends.keygroups import KeyGroupRange
 from backends.localdirs import owned_dir
 from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
@@ -59,18 +59,57 @@ def _decode_heap_parquet(
     backend: KeyedStateBackend,
     fileio: FileIO,
     handle: MaterializationHandle,
-    _rng: KeyGroupRange,
+    rng: KeyGroupRange,
     trusted: bool,
+    states: Collection[str] | None,
 ) -> Decoded:
     decoded: Decoded = []
-    for f in handle.state_files:
+    for f in pieces_to_read(handle.state_files, rng, states):
         url = fileio.url(fileio.relative(f.location))
         table = parquet_to_table(read_verified(fileio, f.file_refs()[0]), url)
         meta, key_ser = table_meta(table, url)
         _check_key_serializer(backend, key_ser.name, f"state {meta.name!r}")
         meta = meta if trusted else meta.untrusted()
+        if not _holds(f, rng):  # read for the state's declaration only
+            table = table.slice(0, 0)
         decoded.append((meta, table_entries(meta, backend.key_serializer, table)))
     return decoded
+
+
+def _holds(f: StateFileHandle, rng: KeyGroupRange) -> bool:
+    """Whether ``f`` may hold entries of ``rng`` (files that record no range: always)."""
+    return f.key_group_end <= f.key_group_start or (
+        f.key_group_start < rng.end and rng.start < f.key_group_end
+    )
+
+
+def pieces_to_read(
+    files: Sequence[StateFileHandle], rng: KeyGroupRange, states: Collection[str] | None = None
+) -> list[StateFileHandle]:
+    """The heap-parquet pieces a restore of ``rng`` (of ``states``, default all) reads.
+
+    Pieces are cut along key groups (:func:`backends.tables.state_files`), so a restore
+    of part of a materialization's range (a rescale, one Spark partition) reads the
+    pieces that overlap it, plus, of a state none of whose pieces does, its smallest: a
+    later change of that state must find it declared. Files that record no state or no
+    key-group range (older records) are always read.
+    """
+    out: list[StateFileHandle] = []
+    smallest: dict[str, StateFileHandle] = {}
+    found: set[str] = set()
+    for f in files:
+        if f.state is None:
+            out.append(f)
+            continue
+        if states is not None and f.state not in states:
+            continue
+        if _holds(f, rng):
+            out.append(f)
+            found.add(f.state)
+        elif f.state not in smallest or f.size_bytes < smallest[f.state].size_bytes:
+            smallest[f.state] = f
+    out.extend(f for name, f in smallest.items() if name not in found)
+    return out
 
 
 _ROCKSDB_FILE = re.compile(
@@ -96,6 +135,7 @@ def _decode_rocksdb_sst(
     handle: MaterializationHandle,
     rng: KeyGroupRange,
     trusted: bool,
+    states: Collection[str] | None,
 ) -> Decoded:
     """Download the files, open them as a temporary RocksDB, scan ``rng`` once."""
     scratch = owned_dir("rocksdb-restore-")  # reclaimed after a kill (backends.localdirs)
@@ -117,9 +157,9 @@ def _decode_rocksdb_sst(
                 f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
                 handle.state_files[0].location if handle.state_files else None,
             )
-        key_ser, _max_par, states = decode_metadata(metadata, handle.writer_id)
+        key_ser, _max_par, metas = decode_metadata(metadata, handle.writer_id)
         _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
-        rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in states}
+        rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in metas}
         try:
             db = open_raw_db(db_dir)
         except LocalStoreError as exc:  # the files are what was recorded, or have no hash
@@ -145,7 +185,8 @@ def _decode_rocksdb_sst(
             db.close()
         return [
             (m, decode_state_rows(m, backend.key_serializer, rows[sid]))
-            for sid, meta in sorted(states.items())
+            for sid, meta in sorted(metas.items())
+            if states is None or meta.name in states
             for m in (meta if trusted else meta.untrusted(),)
         ]
     except OSError as exc:  # the local scratch directory: a full disk is no corruption
@@ -156,7 +197,17 @@ def _decode_rocksdb_sst(
 
 _DECODERS: dict[
     str,
-    Callable[[KeyedStateBackend, FileIO, MaterializationHandle, KeyGroupRange, bool], Decoded],
+    Callable[
+        [
+            KeyedStateBackend,
+            FileIO,
+            MaterializationHandle,
+            KeyGroupRange,
+            bool,
+            Collection[str] | None,
+        ],
+        Decoded,
+    ],
 ] = {"heap-parquet": _decode_heap_parquet, "rocksdb-sst": _decode_rocksdb_sst}
 
 
@@ -166,11 +217,12 @@ def _load_materialization(
     handle: MaterializationHandle,
     key_groups: KeyGroupRange,
     trusted: bool,
+    states: Collection[str] | None,
 ) -> None:
     decoder = _DECODERS.get(handle.kind)
     if decoder is None:
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
-    decoded = decoder(backend, fileio, handle, key_groups, trusted)
+    decoded = decoder(backend, fileio, handle, key_groups, trusted, states)
     now = backend.clock()
     for meta, runs in decoded:
         known = backend.state_metas().get(meta.name)
@@ -198,14 +250,21 @@ _FOLDABLE = {
 
 
 def _replay_table(
-    backend: KeyedStateBackend, table: pa.Table, location: str, trusted: bool
+    backend: KeyedStateBackend,
+    table: pa.Table,
+    location: str,
+    trusted: bool,
+    states: Collection[str] | None = None,
 ) -> None:
     """Apply one block of changes: META records, then each state's changes.
 
     Value-like states fold in Arrow to the last change per key (a set or a clear) and
     load in bulk, with no Python call per change; list and map states replay change by
-    change. Changes of one state keep their order; states are independent.
+    change. Changes of one state keep their order; states are independent (so leaving
+    out all but ``states`` changes none of them).
     """
+    if states is not None:
+        table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
     is_meta = pc.equal(table["op"], int(Op.META))
     if pc.any(is_meta).as_py():
         metas = table.filter(is_meta)
@@ -312,14 +371,17 @@ def restore_into(
     fileio: FileIO,
     handles: Sequence[KeyedStateHandle],
     trusted: bool = True,
+    states: Collection[str] | None = None,
 ) -> None:
     """Load ``handles`` into an empty ``backend`` (heap or RocksDB; no changelog written).
 
     Materializations of either kind (``heap-parquet``, ``rocksdb-sst``) load into either
-    store, filtered to the backend's key groups (so any p -> q rescale works).
+    store, filtered to the backend's key groups (so any p -> q rescale works); of
+    heap-parquet ones only the pieces that hold those key groups are read.
     ``trusted=False`` (tools reading somebody's store) runs none of the store's code:
     pickled values stay bytes; the backend's key serializer must be resolved the same way
-    (``serializer_for(name, trusted=False)``).
+    (``serializer_for(name, trusted=False)``). ``states`` restores only those states
+    (a reader of one state; the others stay undeclared).
     """
     for h in handles:
         if (
@@ -338,7 +400,7 @@ def restore_into(
         rng = _intersect(backend.key_group_range, h.key_group_range)
         started = time.perf_counter()
         for m in h.materialized:
-            _load_materialization(backend, fileio, m, rng, trusted)
+            _load_materialization(backend, fileio, m, rng, trusted, states)
         loaded = time.perf_counter()
         by_writer: dict[str, list[ChangelogHandle]] = {}
         for c in h.changelog:
@@ -347,7 +409,7 @@ def restore_into(
         for writer_id, logs in by_writer.items():
             for table in read_changes(fileio, logs, h.replay_from(writer_id), (rng.start, rng.end)):
                 changes += table.num_rows
-                _replay_table(backend, table, logs[0].location, trusted)
+                _replay_table(backend, table, logs[0].location, trusted, states)
         log.info(
             "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f",
             h.backend_id,

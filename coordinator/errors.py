@@ -4,7 +4,8 @@
 
     CheckpointError
     ├── CheckpointTriggerRejectedError   a manual trigger was refused (too many pending)
-    └── SavepointError                   a savepoint could not be made self-contained
+    ├── SavepointError                   a savepoint could not be made self-contained
+    └── CompactionSupersededError        an offline compaction lost to newer state
     MetadataStoreError
     └── SchemaVersionError               the database schema is newer than this code
     SinkError                            a sink could not publish a committed transaction
@@ -21,6 +22,12 @@ class CheckpointTriggerRejectedError(CheckpointError):
 
 class SavepointError(CheckpointError):
     """Copying a savepoint's files failed; the savepoint was aborted, nothing recorded."""
+
+
+class CompactionSupersededError(CheckpointError):
+    """An offline compaction lost the race with newer state of its job (a newer
+    materialization or compaction, a rescale, a restore of an older checkpoint);
+    nothing was registered."""
 
 
 class SchemaVersionError(MetadataStoreError):

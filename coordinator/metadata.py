@@ -18,7 +18,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from coordinator.errors import SchemaVersionError
+from backends.handles import MaterializationHandle
+from coordinator import compactions as compaction_registry
+from coordinator.compactions import RegisteredCompaction
+from coordinator.errors import CompactionSupersededError, SchemaVersionError
 from coordinator.handles import handle_from_json, handle_to_json
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -40,7 +43,7 @@ from dstl.errors import (
 from dstl.integrity import FileRef
 from dstl.layout import relative_of_url
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _md = sa.MetaData()
 
@@ -179,6 +182,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _migrate_to_1,
     2: _migrate_to_2,
     3: _migrate_to_3,
+    4: compaction_registry.migrate_to_4,
 }
 
 
@@ -283,6 +287,22 @@ class CompletedCheckpoint:
             for r in s.file_refs():
                 out.setdefault(r.location, r)
         return list(out.values())
+
+
+def _keyed(cp: CompletedCheckpoint) -> dict[tuple[str, int], Any]:
+    """``(operator, subtask) -> KeyedStateHandle`` of ``cp``."""
+    return compaction_registry.keyed_handles(
+        (s.operator, s.subtask, s.handles) for s in cp.subtasks
+    )
+
+
+def _lock_job(conn: Connection, job_id: str) -> bool:
+    """Take the job's row lock for the rest of the transaction (a no-op update: SQLite
+    then holds its write lock, PostgreSQL the row's); False for an unknown job."""
+    done = conn.execute(
+        sa.update(jobs).where(jobs.c.job_id == job_id).values(attempt=jobs.c.attempt)
+    )
+    return bool(done.rowcount)
 
 
 MAX_ID = (1 << 63) - 1
@@ -545,6 +565,7 @@ class MetadataStore:
             raise MetadataStoreError("retain must be >= 1")
         cp = checkpoint
         with self._tx() as conn:
+            _lock_job(conn, cp.job_id)
             self._insert(conn, cp)
             expired = [
                 int(r[0])
@@ -555,7 +576,10 @@ class MetadataStore:
                     .offset(retain)
                 )
             ]
-            return Retention(tuple(sorted(expired)), self._remove(conn, cp.job_id, expired))
+            released = set(self._remove(conn, cp.job_id, expired))
+            decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(cp.files()))
+            released.update(self._unreferenced(conn, decided))
+            return Retention(tuple(sorted(expired)), sorted(released))
 
     def record_savepoint(self, savepoint: CompletedCheckpoint) -> None:
         """Record a savepoint made outside the coordinator (``statectl savepoint``).
@@ -621,15 +645,22 @@ class MetadataStore:
             conn.execute(
                 sa.delete(table).where(table.c.job_id == job_id, table.c.checkpoint_id.in_(ids))
             )
-        if not candidates:
+        return self._unreferenced(conn, candidates)
+
+    @staticmethod
+    def _unreferenced(conn: Connection, candidates: Iterable[str]) -> list[str]:
+        """Those of ``candidates`` no checkpoint and no undecided compaction references."""
+        wanted = sorted(set(candidates))
+        if not wanted:
             return []
         still = {
             r[0]
             for r in conn.execute(
-                sa.select(file_refs.c.location).where(file_refs.c.location.in_(sorted(candidates)))
+                sa.select(file_refs.c.location).where(file_refs.c.location.in_(wanted))
             )
         }
-        return sorted(candidates - still)
+        still |= compaction_registry.referenced(conn, wanted)
+        return sorted(set(wanted) - still)
 
     def remove_checkpoint(self, job_id: str, checkpoint_id: int) -> list[str]:
         """Delete one checkpoint's record; returns the files nothing references any more."""
@@ -690,21 +721,64 @@ class MetadataStore:
             return [_checkpoint_of(r, ()) for r in conn.execute(query)]
 
     def unreferenced(self, files: Sequence[str]) -> builtins.list[str]:
-        """Those of ``files`` that no retained checkpoint or savepoint references."""
+        """Those of ``files`` that no retained checkpoint or savepoint references (nor an
+        undecided offline compaction)."""
         if not files:
             return []
         with self._tx() as conn:
-            still = {
-                r[0]
-                for r in conn.execute(
-                    sa.select(file_refs.c.location)
-                    .where(file_refs.c.location.in_(sorted(set(files))))
-                    .distinct()
-                )
-            }
-        return sorted(set(files) - still)
+            return self._unreferenced(conn, files)
 
     def referenced_files(self) -> set[str]:
-        """Every file any retained checkpoint references (for the orphan sweep)."""
+        """Every file any retained checkpoint (or undecided compaction) references (for
+        the orphan sweep)."""
         with self._tx() as conn:
-            return {r[0] for r in conn.execute(sa.select(file_refs.c.location).distinct())}
+            found = {r[0] for r in conn.execute(sa.select(file_refs.c.location).distinct())}
+            return found | compaction_registry.all_referenced(conn)
+
+    # -- offline compactions (see coordinator.compactions) ------------------------------
+    def register_compaction(
+        self,
+        job_id: str,
+        source_checkpoint_id: int,
+        proposals: Mapping[tuple[str, int], MaterializationHandle],
+    ) -> int:
+        """Register a compaction of checkpoint ``source_checkpoint_id``: per ``(operator,
+        subtask)`` the materialization that is to replace its base. Returns its id.
+
+        One transaction, holding the job's row lock (no checkpoint is recorded meanwhile):
+        raises :class:`CompactionSupersededError`, registering nothing, if the job's newest
+        record rests on newer state for any of them, or another undecided compaction of a
+        source at least as new exists for one.
+        """
+        with self._tx() as conn:
+            if not _lock_job(conn, job_id):
+                raise CheckpointNotFoundError(f"unknown job {job_id!r}")
+            row = conn.execute(
+                sa.select(checkpoints)
+                .where(checkpoints.c.job_id == job_id)
+                .order_by(checkpoints.c.checkpoint_id.desc())
+                .limit(1)
+            ).first()
+            latest = {} if row is None else _keyed(self._load(conn, row))
+            compaction_id, why = compaction_registry.register(
+                conn, job_id, source_checkpoint_id, latest, proposals, time.time()
+            )
+        if compaction_id is None:
+            raise CompactionSupersededError(
+                f"compaction of checkpoint {source_checkpoint_id} of job {job_id} registered "
+                f"nothing: {why}"
+            )
+        return compaction_id
+
+    def pending_compactions(
+        self,
+        job_id: str,
+        operator: str | None = None,
+        subtask: int | None = None,
+        after_id: int = 0,
+    ) -> builtins.list[RegisteredCompaction]:
+        """Undecided compactions of ``job_id`` (of one subtask if ``operator`` and
+        ``subtask`` are given) with an id above ``after_id``, newest source first."""
+        slot = None if operator is None or subtask is None else (operator, subtask)
+        with self._tx() as conn:
+            return compaction_registry.pending(conn, job_id, slot, after_id)

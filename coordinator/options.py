@@ -39,7 +39,8 @@ class RuntimeOptions:
     ``buffer-debloat.target-s`` (in-flight data per input kept to this many seconds of
     measured throughput; ``none``: only the fixed bound), ``buffer.max-records`` (the
     fixed bound of a task's input), ``source.batch``, ``state.backend``,
-    ``state.changelog``, ``state.local-dir``, ``materialization.interval-s``.
+    ``state.changelog``, ``state.local-dir``, ``materialization.interval-s``,
+    ``materialization.mode`` (online; offline: only offline compactions materialize).
     """
 
     store_url: str
@@ -48,6 +49,9 @@ class RuntimeOptions:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     changelog: ChangelogOptions = field(default_factory=ChangelogOptions)
     materialization_interval_s: float = 5.0
+    # "offline": the job only writes the log; offline compactions (statectl compact, on
+    # Spark) materialize it and the tasks adopt them at a barrier
+    materialization: str = "online"
     changelog_enabled: bool = True  # False: every checkpoint is a full (shared-file) snapshot
     state_backend: str = "heap"  # "heap" (dicts) or "rocksdb" (rocksdict, under local_dir)
     local_dir: str | None = None  # working directories of RocksDB stores (default: temp)
@@ -68,6 +72,7 @@ class RuntimeOptions:
         "state.changelog": ("changelog_enabled", boolean),
         "state.local-dir": ("local_dir", str),
         "materialization.interval-s": ("materialization_interval_s", float),
+        "materialization.mode": ("materialization", str),
     }
 
     @classmethod
@@ -94,6 +99,12 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.materialization_interval_s <= 0 or self.source_batch < 1:
             raise ConfigError("materialization interval and source batch must be positive")
+        if self.materialization not in ("online", "offline"):
+            raise ConfigError(
+                f"materialization must be online or offline, not {self.materialization!r}"
+            )
+        if self.materialization == "offline" and not self.changelog_enabled:
+            raise ConfigError("offline materialization needs the changelog (changelog_enabled)")
         if self.state_backend not in ("heap", "rocksdb"):
             raise ConfigError(f"state.backend must be heap or rocksdb, not {self.state_backend!r}")
         try:

@@ -8,6 +8,7 @@ hex so that a listing sorts in numeric order. Paths are relative to the store ro
     metadata.db                                         (local stores: SQLite metadata)
     jobs/<job>/changelog/<worker>/<counter:016x>-<nonce>.parquet
     jobs/<job>/materialized/<operator>/<subtask:04x>/<mat:016x>-<nonce>/<state-file>
+    jobs/<job>/compacted/<operator>/<subtask:04x>/<checkpoint:016x>-<nonce>/<state-file>
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>.jsonl
     jobs/<job>/sink/<operator>/<subtask:04x>/<checkpoint:016x>-<nonce>.parquet   (Spark host)
     jobs/<job>/channel-state/<operator>/<subtask:04x>/<checkpoint:016x>.bin
@@ -120,6 +121,14 @@ def materialization_dir(job: str, operator: str, subtask: int, mat_id: int, nonc
     )
 
 
+def compaction_dir(job: str, operator: str, subtask: int, checkpoint_id: int, nonce: str) -> str:
+    """Directory of one offline compaction (of checkpoint ``checkpoint_id``) of one subtask."""
+    return (
+        f"{job_prefix(job)}/compacted/{check_name('operator', operator)}/"
+        f"{subtask:04x}/{checkpoint_id:016x}-{check_name('nonce', nonce)}"
+    )
+
+
 def state_file_path(directory: str, name: str) -> str:
     """Path of one state file (a table chunk, an SST) inside a materialization directory."""
     return f"{directory}/{check_name('state file', name)}"
@@ -165,7 +174,7 @@ def savepoint_prefix(job: str, checkpoint_id: int) -> str:
 _N = r"[A-Za-z0-9_.=-]+"
 _JOB_FILE = (
     rf"jobs/{_N}/(changelog/{_N}/[0-9a-f]{{16}}-[0-9a-z]+\.parquet"
-    rf"|materialized/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}-[0-9a-z]+/{_N}"
+    rf"|(?:materialized|compacted)/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}-[0-9a-z]+/{_N}"
     rf"|sink/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}(?:\.jsonl|-[0-9a-z]+\.parquet)"
     rf"|channel-state/{_N}/[0-9a-f]{{4}}/[0-9a-f]{{16}}\.bin)"
 )

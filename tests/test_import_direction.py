@@ -3,7 +3,10 @@
 A package may import itself and the packages to its left, never one to its right. Inside
 ``coordinator/`` the two hosts (``coordinator.embedded``, ``coordinator.spark``) never
 import each other, and what they share (the protocol, the metadata store, the keyed
-function API, options, sinks, handle types) imports neither host.
+function API, options, sinks, handle types) imports neither host. pyspark is imported
+only by the Spark host (``coordinator.spark``) and the Spark tools (``tools.spark``, and
+the benchmark against Spark's own state store), so nothing else needs a JVM or pays for
+importing it.
 Checked statically (ast) on every .py file of the five packages, including imports inside
 functions and ``if TYPE_CHECKING:`` blocks, and ``importlib.import_module("...")`` /
 ``__import__("...")`` with a literal name.
@@ -19,6 +22,8 @@ import pytest
 
 LAYERS = ("dstl", "backends", "materializer", "coordinator", "tools")
 HOSTS = ("coordinator.embedded", "coordinator.spark")
+# The Spark benchmark also runs Spark's own state store, the peer it is measured against.
+SPARK_PACKAGES = ("coordinator.spark", "tools.spark", "tools.bench.spark_pipeline")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -71,12 +76,20 @@ def check_source(source: str, module: str, *, is_package: bool = False) -> list[
     tree = ast.parse(source, filename=module)
     found: list[Violation] = []
 
+    in_spark = any(module == p or module.startswith(p + ".") for p in SPARK_PACKAGES)
+
     def check(line: int, target: str) -> None:
         top = target.split(".")[0]
         if not _allowed(own, top):
             found.append(Violation(module, line, target, f"{own} may not import {top} (above it)"))
         elif (why := _host_violation(module, target)) is not None:
             found.append(Violation(module, line, target, why))
+        elif top == "pyspark" and not in_spark:
+            found.append(
+                Violation(
+                    module, line, target, f"only {' and '.join(SPARK_PACKAGES)} import pyspark"
+                )
+            )
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -183,6 +196,10 @@ BAD = [
     ("coordinator.spark.host", "from coordinator import embedded\n"),
     ("coordinator.metadata", "from coordinator.embedded.channel_state import x\n"),
     ("coordinator.functions", "def f():\n    import coordinator.spark\n"),
+    ("tools.cli.compact", "from pyspark.sql import SparkSession\n"),
+    ("tools.bench.compaction", "import pyspark\n"),
+    ("coordinator.embedded.tasks", "def f():\n    import pyspark.sql.functions as F\n"),
+    ("tools.sparkling", "import pyspark\n"),  # a prefix of tools.spark is not it
 ]
 
 GOOD = [
@@ -201,6 +218,9 @@ GOOD = [
     ("coordinator.embedded", "from coordinator.embedded.runtime import R\n"),
     ("tools.cli.run", "from coordinator.embedded import EmbeddedRuntime\n"),
     ("tools.spark.x", "import coordinator.spark, coordinator.embedded\n"),
+    ("tools.spark.source", "from pyspark.sql.datasource import DataSource\n"),
+    ("tools.spark", "import pyspark\n"),
+    ("coordinator.spark.host", "import pyspark.sql\nfrom coordinator import metadata\n"),
 ]
 
 

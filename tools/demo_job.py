@@ -10,8 +10,9 @@ dicts: what a failure-free run must produce.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from backends.serializers import INT64, STR
@@ -88,15 +89,22 @@ def pipeline(config: DemoConfig, output_url: str, job_id: str = "demo") -> Pipel
     )
 
 
-def reference(config: DemoConfig) -> tuple[list[tuple[str, int, int]], dict[str, dict[Any, Any]]]:
-    """Output rows (sorted) and final state per state name of a failure-free run."""
+def reference(
+    config: DemoConfig, offsets: Sequence[int] | None = None
+) -> tuple[list[tuple[str, int, int]], dict[str, dict[Any, Any]]]:
+    """Output rows (sorted) and final state per state name of a failure-free run; with
+    ``offsets`` (events taken from each source subtask), of the run up to there: the
+    state a checkpoint with those source offsets holds."""
     count: dict[str, int] = {}
     total: dict[str, int] = {}
     recent: dict[str, list[str]] = {}
     by_cat: dict[str, dict[str, int]] = {}
     rows: list[tuple[str, int, int]] = []
     for s in range(config.source_parallelism):
-        for user, (item, cents, category) in events(config, s, config.source_parallelism, 0):
+        stream = events(config, s, config.source_parallelism, 0)
+        if offsets is not None:
+            stream = islice(stream, offsets[s])
+        for user, (item, cents, category) in stream:
             count[user] = count.get(user, 0) + 1
             total[user] = total.get(user, 0) + cents
             lst = recent.setdefault(user, [])
@@ -113,3 +121,8 @@ def reference(config: DemoConfig) -> tuple[list[tuple[str, int, int]], dict[str,
         "recent_items": recent,
         "by_category": by_cat,
     }
+
+
+def offsets_of(checkpoint_offsets: dict[str, Any], config: DemoConfig) -> list[int]:
+    """The per-subtask source offsets of a checkpoint (``CompletedCheckpoint.source_offsets``)."""
+    return [int(checkpoint_offsets[f"events/{s}"]) for s in range(config.source_parallelism)]

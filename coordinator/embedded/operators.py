@@ -10,6 +10,7 @@ and the backend's checkpoint futures, which only complete futures.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange, key_group_for
 from backends.restore import restore_changelog_backend
 from backends.rocksdb import RocksDBKeyedStateBackend
+from coordinator.compactions import RegisteredCompaction
 from coordinator.embedded.channel_state import ChannelState
 from coordinator.embedded.pipeline import KeyedNode, SinkNode
 from coordinator.functions import KeyedRunner
@@ -29,6 +31,7 @@ from coordinator.metadata import CompletedCheckpoint
 from coordinator.options import RuntimeOptions
 from coordinator.sink import Publisher, TransactionalSink
 from dstl.changelog import ChangelogStorage
+from dstl.errors import MetadataStoreError
 from dstl.fileio import FileIO
 from dstl.upload import Uploader
 from materializer import (
@@ -38,6 +41,12 @@ from materializer import (
     Materializer,
     restore_full_backend,
 )
+
+log = logging.getLogger(__name__)
+
+CompactionLookup = Callable[[str, str, int, int], list[RegisteredCompaction]]
+"""``(job, operator, subtask, after_id)``: undecided compactions of one subtask registered
+after ``after_id``, newest source first (``MetadataStore.pending_compactions``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +101,15 @@ class KeyedOperator:
         clock: Callable[[], float],
         processing_ms: Callable[[], int],
         uploader: Uploader,
+        compactions: CompactionLookup,
     ) -> None:
         self.node = node
+        self._job_id = job_id
+        self._subtask = subtask
+        self._online = options.materialization == "online"
+        self._compactions = compactions
+        self._compactions_seen = 0  # the highest registered compaction id looked at
+        self.compactions_adopted = 0
         self.key_groups = KeyGroupRange.for_subtask(subtask, node.parallelism, node.max_parallelism)
         backend_id = f"{node.name}-{subtask}-a{attempt:04d}"
         inner: HeapKeyedStateBackend | RocksDBKeyedStateBackend
@@ -184,16 +200,40 @@ class KeyedOperator:
         self.runner.advance_watermark(watermark, self._emit)
 
     def tick(self) -> None:
-        """Materialize when due; fire due processing-time timers."""
-        if self.full is None and self.materialization.run_once() is not None:
+        """Materialize when due (online); fire due processing-time timers."""
+        if self.full is None and self._online and self.materialization.run_once() is not None:
             self.materializations += 1
         self.runner.advance_processing_time(self._processing_ms(), self._emit)
 
     def snapshot(self, checkpoint_id: int) -> Future[tuple[Any, ...]]:
         """Persist the state up to now (async); the future gets the handles."""
+        self._adopt_compaction()
         if self.full is None:
             self.materialization.on_barrier(checkpoint_id)
         return _mapped(self.backend.checkpoint(checkpoint_id), lambda h: (h,))
+
+    def _adopt_compaction(self) -> None:
+        """Rest this subtask's state on the newest offline compaction registered for it
+        since the last look, if the backend accepts it (``adopt``: not older than its
+        base, nothing its history lacks). At a barrier, before the checkpoint, so that
+        the checkpoint references it; the metadata store decides the registration when
+        the checkpoint is recorded (:mod:`coordinator.compactions`)."""
+        if not isinstance(self.backend, ChangelogKeyedStateBackend):
+            return
+        name = self.node.name
+        try:
+            found = self._compactions(self._job_id, name, self._subtask, self._compactions_seen)
+        except MetadataStoreError as exc:  # looked at again at the next barrier
+            log.warning("compactions not looked up task=%s-%d error=%s", name, self._subtask, exc)
+            return
+        self._compactions_seen = max([self._compactions_seen, *(c.compaction_id for c in found)])
+        for c in found:  # newest source first
+            if self.backend.adopt(c.handle):
+                self.compactions_adopted += 1
+                log.info(
+                    "compaction adopted task=%s-%d id=%d", name, self._subtask, c.compaction_id
+                )
+                return
 
     def checkpoint_stats(self) -> dict[str, Any]:
         """A new materialization's statistics, once, for the first checkpoint using it."""

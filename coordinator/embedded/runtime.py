@@ -396,6 +396,7 @@ class _Job:
             rt._clock,
             rt._processing_ms,
             self.uploader,
+            self.coordinator.store.pending_compactions,
         )
 
     def _replay_of(

@@ -17,6 +17,7 @@ from backends import (
     HeapKeyedStateBackend,
     KeyGroupRange,
     RocksDBKeyedStateBackend,
+    restore_into,
 )
 from backends.serializers import STR, Serializer
 from dstl import ChangelogStorage, FileIO
@@ -68,6 +69,17 @@ class Factory:
     def logged(self, kind: str, kgr: KeyGroupRange | None = None, writer: str | None = None) -> Any:
         name = writer or f"op-{next(self._counter)}"
         return ChangelogKeyedStateBackend(self.store(kind, kgr), self.storage.create_writer(name))
+
+    def restored(self, kind: str, handles: list[Any], q: int = 1) -> dict[str, Any]:
+        """The merged dump of ``handles`` restored into ``q`` fresh ``kind`` stores."""
+        from tests.backends.helpers import dump, merge_dumps
+
+        dumps = []
+        for s in range(q):
+            nb = self.store(kind, KeyGroupRange.for_subtask(s, q, MAX_PAR))
+            restore_into(nb, self.fileio, handles)
+            dumps.append(dump(nb))
+        return merge_dumps(dumps)
 
     def close(self) -> None:
         for b in self._made:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backends import KeyedStateHandle, KeyGroupRange, restore_into
+from backends import KeyedStateHandle, KeyGroupRange
 from backends.restore import restore_changelog_backend
 from materializer import Materializer
 from tests.backends.conftest import MAX_PAR, STORES, Factory
@@ -20,12 +20,7 @@ from tests.backends.helpers import dump, merge_dumps, workload
 def _restore(
     factory: Factory, kind: str, handles: list[KeyedStateHandle], q: int
 ) -> dict[str, Any]:
-    dumps = []
-    for s in range(q):
-        nb = factory.store(kind, KeyGroupRange.for_subtask(s, q, MAX_PAR))
-        restore_into(nb, factory.fileio, handles)
-        dumps.append(dump(nb))
-    return merge_dumps(dumps)
+    return factory.restored(kind, handles, q)
 
 
 @pytest.mark.parametrize("source", STORES)

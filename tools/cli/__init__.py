@@ -12,7 +12,8 @@ Exit codes:
 4      corrupt (a file whose size or hash is not the recorded one, a damaged metadata
        database or record, state that does not match its declaration)
 5      refused (the target exists or is inside the store or holds it, an option the
-       store refuses: an invalid job name, a storage option s3fs does not take)
+       store refuses: an invalid job name, a storage option s3fs does not take; a
+       compaction that newer state of its job superseded)
 6      local I/O error (a full disk, a target that cannot be written)
 =====  =================================================================================
 
@@ -32,6 +33,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from coordinator.errors import CompactionSupersededError
 from coordinator.metadata import one_line
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -43,7 +45,7 @@ from dstl.errors import (
     StorageError,
     StorageNotFoundError,
 )
-from tools.cli import checkpoints, maintain, run, state
+from tools.cli import checkpoints, compact, maintain, run, state
 from tools.cli.common import Context, Output, Parser, add_common
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_CORRUPT, EXIT_REFUSED, EXIT_IO = range(7)
@@ -60,6 +62,7 @@ EXAMPLES = """examples:
   statectl savepoint --store demo-data                (the latest checkpoint, self-contained)
   statectl gc --store demo-data                       (dry run: orphans older than a day)
   statectl gc --store demo-data --job demo --min-age-s 3600 --delete
+  statectl compact --store demo-data --job demo       (on a local Spark session)
   statectl run myjobs:clicks --store data --parallelism 2   (Ctrl-C: final checkpoint)
   statectl run myjobs:clicks --store data --from-savepoint 12 \\
       --option checkpoint.barrier-mode=unaligned
@@ -88,7 +91,7 @@ def build_parser() -> Parser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for module in (checkpoints, state, maintain, run):
+    for module in (checkpoints, state, maintain, compact, run):
         module.register(sub, _make)
     return parser
 
@@ -115,7 +118,7 @@ def _exit_code(exc: BaseException) -> int:
         return EXIT_NOT_FOUND
     if isinstance(exc, CorruptionError | SchemaMismatchError):
         return EXIT_CORRUPT
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, ConfigError | CompactionSupersededError):
         return EXIT_REFUSED
     if isinstance(exc, StateBackendError):
         return EXIT_FAIL

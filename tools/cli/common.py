@@ -259,15 +259,7 @@ class Context:
     def store(self) -> MetadataStore:
         """The metadata store (it must exist: opening never creates one)."""
         if self._store is None:
-            if self.metadata_url:
-                self._store = MetadataStore(self.metadata_url, create=False)
-            else:
-                fileio = self.fileio
-                if fileio.scheme != "file":
-                    raise ConfigError(f"store {self.store_url} is not local: give --metadata URL")
-                self._store = MetadataStore.for_local_store(
-                    fileio.root_url[len("file://") :], create=False
-                )
+            self._store = open_metadata(self.metadata_url, self.fileio, self.store_url)
         return self._store
 
     def progress(self, label: str, total: int) -> Progress:
@@ -276,27 +268,53 @@ class Context:
 
     def the_job(self) -> str:
         """``--job``, or the store's only job."""
-        if self.args.job:
-            return str(self.args.job)
-        jobs = self.store.job_ids()
-        if len(jobs) != 1:
-            raise ConfigError(f"the store holds jobs {', '.join(jobs) or '(none)'}: give --job")
-        return jobs[0]
+        return the_job(self.store, self.args.job)
 
     def checkpoint(self, ref: int | str) -> CompletedCheckpoint:
         """The checkpoint (or savepoint) ``ref``: an id, or ``latest`` of the job."""
-        if ref == "latest":
-            job = self.the_job()
-            latest = self.store.latest(job)
-            if latest is None:
-                raise CheckpointNotFoundError(f"job {job} has no completed checkpoint")
-            return latest
-        return self.store.get(self.args.job, int(ref))
+        return resolve_checkpoint(self.store, self.args.job, ref)
 
     def close(self) -> None:
         """Release the metadata store's connections."""
         if self._store is not None:
             self._store.close()
+
+
+def open_metadata(metadata_url: str | None, fileio: FileIO, store_url: str | None) -> MetadataStore:
+    """The metadata store at ``metadata_url``, else the SQLite file of a local store;
+    never created (a missing one is :class:`~dstl.errors.MetadataNotFoundError`)."""
+    if metadata_url:
+        return MetadataStore(metadata_url, create=False)
+    if fileio.scheme != "file":
+        raise ConfigError(
+            f"store {store_url} is not local: give --metadata URL (Spark: option metadata)"
+        )
+    return MetadataStore.for_local_store(fileio.root_url[len("file://") :], create=False)
+
+
+def the_job(store: MetadataStore, job: str | None) -> str:
+    """``job``, or the store's only job (ConfigError if there are several or none)."""
+    if job:
+        return str(job)
+    jobs = store.job_ids()
+    if len(jobs) != 1:
+        raise ConfigError(
+            f"the store holds jobs {', '.join(jobs) or '(none)'}: give --job (Spark: option job)"
+        )
+    return jobs[0]
+
+
+def resolve_checkpoint(
+    store: MetadataStore, job: str | None, ref: int | str
+) -> CompletedCheckpoint:
+    """The checkpoint (or savepoint) ``ref`` of ``job``: an id, or ``latest``."""
+    if ref == "latest":
+        name = the_job(store, job)
+        latest = store.latest(name)
+        if latest is None:
+            raise CheckpointNotFoundError(f"job {name} has no completed checkpoint")
+        return latest
+    return store.get(job, int(ref))
 
 
 def _read_config(path: str) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from dstl.fileio import FileIO
 from tools.demo_job import DemoConfig, pipeline, reference
 from tools.restore import plan_restore, restore_operator
 
-# 2 s of input: the first checkpoint waits for the DSTL encoder process to start (0.5-1 s)
+# 2 s of input: the first checkpoint waits for the DSTL encoder process to start (0.5-1 s),
+# and full RocksDB snapshots (changelog off) are slow on a loaded machine: still 3 checkpoints
 CONFIG = DemoConfig(events_per_source=4000, users=200, rate_per_source=2000.0)
 
 

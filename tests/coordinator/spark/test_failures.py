@@ -1,6 +1,6 @@
 """Real failures of a Spark query with this backend: SIGKILLed drivers, failing tasks.
 
-The driver is a subprocess (``python -m tools.demo_spark driver``, local[2] with up to 4
+The driver is a subprocess (``python -m tools.spark.demo driver``, local[2] with up to 4
 attempts per task), killed with SIGKILL at random moments after its first batch of each
 run and once right after a checkpoint was recorded (before its output was committed);
 tasks fail once after their ack and once in the middle of their input. After every
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import demo_spark
+from tools.spark import demo as demo_spark
 
 
 @pytest.mark.slow

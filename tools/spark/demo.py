@@ -1,7 +1,7 @@
 """The main job on Spark: a streaming query with its keyed state in this backend, killed and
 restarted, verified against a failure-free computation.
 
-``python -m tools.demo_spark`` (what ``make demo`` runs) writes the demo's seeded event
+``python -m tools.spark.demo`` (what ``make demo`` runs) writes the demo's seeded event
 stream (:mod:`tools.demo_job`: per user a count, a sum, the last five items and counts per
 category) as JSON files into ``demo-data/input``, one file per micro-batch, and runs the
 query in a driver process on ``local[2]``: a file source, the stateful step (2 key-group
@@ -11,7 +11,7 @@ restarts it until the input is done, then checks that the committed output and t
 checkpointed state equal a failure-free computation, prints a summary and exits non-zero
 if anything did not match.
 
-``python -m tools.demo_spark driver ...`` is one run of the query; it prints one JSON line
+``python -m tools.spark.demo driver ...`` is one run of the query; it prints one JSON line
 per micro-batch for the parent to read.
 """
 
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> DemoResult:
         shutil.rmtree(data)
     files = write_inputs(os.path.join(data, "input"), args.events, args.per_batch, args.seed)
     cmd = [
-        sys.executable, "-m", "tools.demo_spark", "driver",
+        sys.executable, "-m", "tools.spark.demo", "driver",
         "--data", data,
         "--state-backend", args.state_backend,
         "--parallelism", str(args.parallelism),
@@ -311,7 +311,7 @@ def run(args: argparse.Namespace) -> DemoResult:
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of the demo and of its driver."""
     parser = argparse.ArgumentParser(
-        prog="python -m tools.demo_spark",
+        prog="python -m tools.spark.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``python -m tools.demo_spark [driver] [options]``."""
+    """Entry point: ``python -m tools.spark.demo [driver] [options]``."""
     args = build_parser().parse_args(argv)
     return driver(args) if args.mode == "driver" else run_demo(args)
 
