@@ -25,6 +25,10 @@ from tests.coordinator.embedded.pipeline_worker import CONFIG
 REPO = Path(__file__).resolve().parents[3]
 KILLS = 4
 
+# ~17 s each, 2 min together: once per `make test` (3.11), not again on 3.12 and 3.13,
+# which run the same Python code
+pytestmark = pytest.mark.slow
+
 
 class _Attempt:
     """A worker process and the checkpoints it reported (read on a thread of our own)."""
