@@ -21,6 +21,11 @@ PYTHONS := 3.12 3.13
 NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.py \
 	tests/dstl/test_encoder.py tests/backends/test_heapstate.py \
 	tests/backends/test_changelog_fastpath.py
+# What `make test` runs on $(PYTHONS): the layers where interpreter versions differ (the C
+# extensions and everything that calls them), about a minute each. The coordinator and the
+# tools above them are plain Python over these; `make test-pythons` runs them too.
+PYTHONS_TESTS := tests/native tests/dstl tests/backends tests/materializer \
+	tests/test_import_direction.py
 
 setup:
 	bash tools/setup/bootstrap.sh test
@@ -35,19 +40,20 @@ demo-embedded:
 	bash tools/setup/bootstrap.sh demo
 	$(PY) -m tools.demo
 
-# Lint, the whole pytest suite (every marker), then the non-Spark suite on the other
-# interpreters (test-pythons). All steps run; any failure fails the target.
+# Lint, the whole pytest suite (every marker), then the layers below the coordinator on the
+# other interpreters (test-pythons with PYTHONS_TESTS). All steps run; any failure fails
+# the target. CI runs this on 2 cores: keep it well under 20 minutes.
 test: setup
 	@failed=""; \
 	echo "+ ruff check ."; $(RUFF) check . || failed="$$failed ruff-check"; \
 	echo "+ ruff format --check ."; $(RUFF) format --check . || failed="$$failed ruff-format"; \
 	echo "+ mypy"; $(MYPY) || failed="$$failed mypy"; \
 	echo "+ pytest -q"; $(PY) -m pytest -q || failed="$$failed pytest"; \
-	$(MAKE) --no-print-directory test-pythons || failed="$$failed test-pythons"; \
+	$(MAKE) --no-print-directory test-pythons TESTS="$(PYTHONS_TESTS)" || failed="$$failed test-pythons"; \
 	if [[ -n "$$failed" ]]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make test: all passed"
 
-# The non-Spark suite on each of $(PYTHONS), in venvs .venv-3.12, .venv-3.13 made like .venv
+# The non-Spark suite (or TESTS=paths) on each of $(PYTHONS), in venvs .venv-3.12, .venv-3.13 made like .venv
 # (same constraints; the C extensions built for each interpreter, next to the 3.11 ones).
 # The slow end-to-end tests (soak, corruption matrix) run once, on 3.11: they exercise the
 # same Python code, and the native code they reach is covered here by its own tests.
@@ -56,8 +62,8 @@ test-pythons:
 	for v in $(PYTHONS); do \
 		py="$$(bash tools/setup/find_python.sh $$v)" || { failed="$$failed $$v-missing"; continue; }; \
 		BOOTSTRAP_VENV=.venv-$$v PYTHON="$$py" bash tools/setup/bootstrap.sh || { failed="$$failed $$v-setup"; continue; }; \
-		echo "+ [python$$v] pytest -q -m 'not spark and not slow'"; \
-		.venv-$$v/bin/python -m pytest -q -m "not spark and not slow" || failed="$$failed $$v"; \
+		echo "+ [python$$v] pytest -q -m 'not spark and not slow' $(TESTS)"; \
+		.venv-$$v/bin/python -m pytest -q -m "not spark and not slow" $(TESTS) || failed="$$failed $$v"; \
 	done; \
 	if [[ -n "$$failed" ]]; then echo "make test-pythons: FAILED:$$failed" >&2; exit 1; fi
 
