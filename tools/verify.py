@@ -89,6 +89,11 @@ def _check_format(data: bytes, url: str, use: Any) -> None:
                 decode_metadata(data, url)
         else:
             raise CorruptionError(f"unknown materialization kind {mat.kind!r}", url)
+    elif isinstance(use, SinkTransactionHandle) and use.suffix == "parquet":
+        # the Spark host stages its output parts as Parquet
+        rows = parquet_to_table(data, url).num_rows
+        if rows != use.records:
+            raise CorruptionError(f"{rows} records, handle says {use.records}", url)
     elif isinstance(use, SinkTransactionHandle):
         lines = data.decode("utf-8", "strict").splitlines()
         if len(lines) != use.records:
