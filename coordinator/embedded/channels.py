@@ -110,6 +110,9 @@ class Inbox:
         self._max_items = max_items
         self.capacity = max(1, capacity)
         self.puts = 0  # data items ever put: a capturing gate rescans when it changed
+        # (checkpoint id, channel) -> records queued ahead of that in-band barrier when it
+        # was put: what it waits behind (popped by the receiver when it arrives)
+        self._ahead: dict[tuple[int, int], int] = {}
         # Per channel: items reserved by its one sender thread (only that thread writes
         # its slot, and reads it when it sends a priority barrier).
         self._sent = [0] * channels
@@ -153,6 +156,8 @@ class Inbox:
                     self._lock.acquire()
             if self._closed:
                 return
+            if isinstance(element, Barrier):
+                self._ahead[(element.checkpoint_id, channel)] = self._records
             self._data.append((channel, element, weight))
             self._records += weight
             self.puts += 1
@@ -203,6 +208,12 @@ class Inbox:
                 self._not_full.notify_all()
                 return Lane.DATA, (channel, element)
             return None
+
+    def records_ahead(self, barrier: Barrier, channel: int) -> int:
+        """Records that were queued ahead of in-band ``barrier`` of ``channel`` when it was
+        put (receiver, once it took the barrier; 0 if unknown)."""
+        with self._lock:
+            return self._ahead.pop((barrier.checkpoint_id, channel), 0)
 
     def poll_priority(self) -> tuple[int, Barrier, int] | None:
         """The next priority barrier if one is queued (receiver, while it cannot take data)."""
