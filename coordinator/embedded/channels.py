@@ -13,7 +13,10 @@ order:
   order each channel's one sender put them. Bounded in *records* (not items): a sender
   blocks while the records queued reach :attr:`Inbox.capacity`, which the receiver
   lowers or raises to hold about ``target`` seconds of its measured throughput (buffer
-  debloating, FLIP-183), so an aligned barrier never queues behind more than that.
+  debloating, FLIP-183), so an aligned barrier queues behind about that much, plus at
+  most one batch (a quarter of the capacity) per sender: a put is admitted while the
+  records queued are below the capacity. That holds per hop; a job's barrier crosses
+  every hop, so its checkpoint waits about ``target`` times the hops.
 
 Every data item except a barrier counts as one in its channel's sequence (``sent`` on
 the sender side, ``consumed`` on the receiver side); a sender that flushes to several
