@@ -35,6 +35,7 @@ from backends.snapshot import MaterializationSnapshot
 from backends.state import StateDescriptor, StateMeta
 from dstl import layout
 from dstl.fileio import FileIO
+from dstl.handles import ChangelogHandle
 from dstl.upload import Uploader
 from materializer.materializer import (
     MaterializationResult,
@@ -72,6 +73,7 @@ class FullSnapshotCheckpointer:
         self.inner = backend
         self._backend_id = layout.check_name("backend", backend_id)
         self.base: tuple[MaterializationHandle, ...] = ()
+        self.restored_log: tuple[ChangelogHandle, ...] = ()  # a full snapshot has no log
         # ``uploader``: a worker's shared one (its owner closes it), else the
         # materializer makes and closes its own
         self.materializer = Materializer(
