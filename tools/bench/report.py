@@ -103,6 +103,23 @@ HEADLINES: dict[str, list[Headline]] = {
         Headline("files_per_checkpoint_at_16_writers.local", "files per checkpoint, 16 writers"),
         Headline("files_per_checkpoint_at_16_writers.s3", "the same on S3"),
     ],
+    "pipeline": [
+        Headline(
+            "checkpoint_p99_ms_debloated", "checkpoint p99 under backpressure, debloated (ms)"
+        ),
+        Headline("checkpoint_p99_ms_unaligned", "the same, unaligned (ms)"),
+        Headline("checkpoint_p99_ms_aligned", "the same, aligned, no debloating (ms)"),
+    ],
+    "spark-pipeline": [
+        Headline("records_per_s", "records/s on Spark, our state"),
+        Headline("spark_records_per_s", "records/s on Spark, Spark's RocksDB state store"),
+        Headline("restore_s", "restore on Spark, our state (s)"),
+        Headline("spark_restore_s", "restore on Spark, Spark's state store (s)"),
+    ],
+    "compaction": [
+        Headline("offline_cp_p99_ratio", "checkpoint p99, offline / online compaction"),
+        Headline("offline_cpu_ratio", "worker CPU, offline / online compaction"),
+    ],
     "state-ops": [
         Headline("changelog_overhead_ratio", "per-record time, changelog on / off", "<=", 1.15),
         Headline("operator_overhead_ratio", "keyed function time, changelog on / off"),
@@ -172,23 +189,31 @@ def _utc(epoch: float) -> str:
 
 
 def describe_machine(results: Sequence[dict[str, Any]]) -> str:
-    """The machine(s) the results were measured on, one phrase each."""
-    seen: list[str] = []
+    """The machine(s) the results were measured on, one phrase each.
+
+    Results of the same cores, Python and platform are one machine, described by the
+    fields any of them recorded (older results lack RAM and the CPU model).
+    """
+    machines: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in results:
         m = r.get("machine", {})
+        known = machines.setdefault((m.get("cpus"), m.get("python"), m.get("platform")), {})
+        known.update({k: v for k, v in m.items() if v is not None})
+    phrases = []
+    for m in machines.values():
         ram = m.get("ram_bytes")
-        phrase = ", ".join(
-            [
-                f"{m.get('cpus', '?')} cores",
-                f"{ram / 2**30:.0f} GiB RAM" if ram else "RAM not recorded",
-                m.get("cpu_model", "CPU model not recorded"),
-                f"Python {m.get('python', '?')}",
-                m.get("platform", "?"),
-            ]
+        phrases.append(
+            ", ".join(
+                [
+                    f"{m.get('cpus', '?')} cores",
+                    f"{ram / 2**30:.0f} GiB RAM" if ram else "RAM not recorded",
+                    m.get("cpu_model", "CPU model not recorded"),
+                    f"Python {m.get('python', '?')}",
+                    m.get("platform", "?"),
+                ]
+            )
         )
-        if phrase not in seen:
-            seen.append(phrase)
-    return "; ".join(seen)
+    return "; ".join(phrases)
 
 
 def describe_dates(results: Sequence[dict[str, Any]]) -> str:
@@ -401,7 +426,7 @@ def headline_block(results: Sequence[dict[str, Any]], link: str) -> str:
         [
             f"Latest results ({describe_dates(results)}; {describe_machine(results)}); "
             f"every table and plot: [{link}]({link}).",
-            table(["benchmark", "headline", "value", "target", ""], headline_rows(results)),
+            table(["benchmark", "headline", "value", "target", "met?"], headline_rows(results)),
         ]
     )
 
@@ -427,7 +452,7 @@ def write(results: Sequence[dict[str, Any]], out: str, sources: Sequence[str]) -
         f"`python -m tools.bench report` from {files}: the newest result of each benchmark; "
         "regenerate with `make bench-report` (see the README's Benchmarks section)."
         + missing_plots,
-        table(["benchmark", "headline", "value", "target", ""], headline_rows(results)),
+        table(["benchmark", "headline", "value", "target", "met?"], headline_rows(results)),
     ]
     path = os.path.join(out, "README.md")
     with open(path, "w") as fh:
