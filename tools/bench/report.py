@@ -286,13 +286,21 @@ def comparison(result: dict[str, Any]) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------
-def _bars(ax: Any, labels: list[str], values: list[float], title: str, log: bool = False) -> None:
-    ax.barh(range(len(labels)), values, color="#4878a8")
+def _bars(
+    ax: Any,
+    labels: list[str],
+    values: list[float],
+    title: str,
+    peer: Sequence[bool] = (),
+) -> None:
+    """Horizontal bars, the peer's (``peer[i]`` true) in another colour."""
+    colors = ["#d08040" if i < len(peer) and peer[i] else "#4878a8" for i in range(len(values))]
+    ax.barh(range(len(labels)), values, color=colors)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.invert_yaxis()
+    if not ax.yaxis_inverted():  # the first case on top (once: the axes may be shared)
+        ax.invert_yaxis()
     ax.set_title(title, fontsize=9)
-    if log:
-        ax.set_xscale("log")
+    ax.tick_params(axis="x", labelsize=7)
     for i, v in enumerate(values):
         ax.text(v, i, f" {cell(v)}", va="center", fontsize=6)
 
@@ -301,14 +309,33 @@ def _num(v: Any) -> float:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0.0
 
 
+def _count(n: Any) -> str:
+    """1000000 -> 1M, 100000 -> 100k."""
+    if not isinstance(n, int):
+        return ""
+    for unit, size in (("M", 1_000_000), ("k", 1_000)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def _plot_system(fig: Any, result: dict[str, Any]) -> bool:
-    """end-to-end, peers: records/s and restore seconds per case."""
+    """end-to-end, peers: records/s and restore seconds per case, the peer's in orange."""
     cases = result.get("cases", [])
-    keys = ("system", "store", "changelog", "pattern", "keys")
-    labels = [_label(c, keys) for c in cases]
-    axes = fig.subplots(1, 2)
-    _bars(axes[0], labels, [_num(c.get("records_per_s")) for c in cases], "records/s")
-    _bars(axes[1], labels, [_num(c.get("restore_s")) for c in cases], "restore after kill (s)")
+
+    def label(c: dict[str, Any]) -> str:
+        changelog = f"log {c['changelog']}" if c.get("changelog") else ""
+        keys = f"{_count(c.get('keys'))} keys" if c.get("keys") else ""
+        parts = [c.get("system", ""), c.get("store", ""), changelog, c.get("pattern", ""), keys]
+        return " ".join(str(p) for p in parts if p)
+
+    labels = [label(c) for c in cases]
+    peer = [c.get("system") not in (None, "ours") for c in cases]
+    axes = fig.subplots(1, 2, sharey=True)
+    _bars(axes[0], labels, [_num(c.get("records_per_s")) for c in cases], "records/s", peer)
+    _bars(
+        axes[1], labels, [_num(c.get("restore_s")) for c in cases], "restore after kill (s)", peer
+    )
     return bool(cases)
 
 
