@@ -362,6 +362,16 @@ def _plot_series(
     return bool(cases)
 
 
+def _plot_bars(fig: Any, result: dict[str, Any], name: Sequence[str], ys: Sequence[str]) -> bool:
+    """One panel of bars per ``y``, one bar per case, named by its ``name`` columns."""
+    cases = result.get("cases", [])
+    labels = [_label(c, name) for c in cases]
+    axes = fig.subplots(1, len(ys), sharey=True)
+    for ax, y in zip(axes, ys, strict=True):
+        _bars(ax, labels, [_num(c.get(y)) for c in cases], y)
+    return bool(cases)
+
+
 def _plot_state_ops(fig: Any, result: dict[str, Any]) -> bool:
     cases = result.get("cases", [])
     on = [c for c in cases if c.get("changelog") == "on"]
@@ -392,6 +402,10 @@ PLOTS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
         fig, r, ("storage",), "writers", ("persist_p50_ms", "files_per_checkpoint")
     ),
     "state-ops": _plot_state_ops,
+    "pipeline": lambda fig, r: _plot_bars(fig, r, ("case",), ("cp_p99_ms", "records_per_s")),
+    "spark-pipeline": lambda fig, r: _plot_bars(
+        fig, r, ("system", "state"), ("records_per_s", "batch_p99_ms", "restore_s")
+    ),
 }
 """How each benchmark is drawn: fills the figure, False if there was nothing to draw."""
 
