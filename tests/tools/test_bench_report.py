@@ -146,3 +146,11 @@ def test_cells() -> None:
     assert report.cell(0.012345) == "0.0123"
     assert report.cell(None) == "-"
     assert report.cell("a|b") == "a\\|b"
+
+
+def test_report_of_a_missing_file_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such file" in capsys.readouterr().out
+    assert not (tmp_path / "o").exists()

@@ -524,6 +524,10 @@ def update_readme(readme: str, block: str) -> bool:
 
 def main(files: Sequence[str], out: str, readme: str | None) -> int:
     """Write the report of ``files`` into ``out`` and, if given, ``readme``'s block."""
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        print(f"bench report: no such file: {', '.join(missing)} (run a benchmark with --json)")
+        return 2
     results = load(files)
     if not results:
         print("bench report: no results in " + ", ".join(files))
