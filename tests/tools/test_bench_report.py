@@ -104,6 +104,7 @@ def test_report_writes_tables_plots_and_the_readme_block(
     # the newest end-to-end result wins over the older file's
     assert "| end-to-end (quick) | records/s, heap store | 80,000 |" in text
     assert "| 11 |" not in text
+    assert "from `new.json` (the newest result" in text and "old.json" not in text
     # headline targets judged
     assert "| records/s RocksDB / peer | 0.4 | >= 0.8 | missed |" in text
     assert "| our own part of a checkpoint, p99 (ms) | 12 | <= 20 | met |" in text
