@@ -12,7 +12,7 @@ MYPY := $(VENV)/bin/mypy
 export SPARK_LOCAL_IP := 127.0.0.1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo demo-embedded test test-pythons test-fallback test-asan lint fmt bench clean
+.PHONY: setup demo demo-embedded test test-pythons test-fallback test-asan lint fmt bench bench-report clean
 
 # Interpreters besides the venv's 3.11 that the suite must pass on (python3.X on PATH or
 # installed by pyenv: tools/setup/find_python.sh).
@@ -95,6 +95,11 @@ fmt: setup
 bench: setup
 	mkdir -p bench-results
 	$(PY) -m tools.bench run all --quick --json bench-results/latest.json
+
+# docs/bench/ (Markdown tables, PNG plots) and the README's headline block from the newest
+# result of each benchmark in bench-results/*.json (`make bench`, or any `run --json` there).
+bench-report: setup
+	$(PY) -m tools.bench report bench-results/*.json
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis bench-results demo-data

@@ -1,4 +1,4 @@
-"""``python -m tools.bench run NAME|all [--quick] [--json OUT]`` and ``report FILE...``."""
+"""``python -m tools.bench run NAME|all [--quick] [--json OUT]`` and ``report [FILE...]``."""
 
 from __future__ import annotations
 
@@ -20,16 +20,22 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small sizes (a smoke run, minutes not tens)"
     )
     run.add_argument("--json", help="write the result(s) here")
-    report = sub.add_parser("report", help="print tables of saved JSON results")
+    report = sub.add_parser(
+        "report",
+        help="saved JSON results as Markdown tables and PNG plots (newest of each benchmark)",
+    )
     report.add_argument("files", nargs="*", default=["bench-results/latest.json"])
+    report.add_argument("--out", default="docs/bench", help="directory of README.md and plots")
+    report.add_argument(
+        "--readme",
+        default="README.md",
+        help="replace this file's headline block (between its bench markers); '' for none",
+    )
     args = parser.parse_args(argv)
     if args.command == "report":
-        for path in args.files:
-            with open(path) as fh:
-                data = json.load(fh)
-            for result in data if isinstance(data, list) else [data]:
-                harness.print_result(result)
-        return 0
+        from tools.bench import report as bench_report
+
+        return bench_report.main(args.files, args.out, args.readme or None)
     known = harness.available()
     if args.name != "all" and args.name not in known:
         print(

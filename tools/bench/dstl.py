@@ -2,15 +2,24 @@
 
 For 1, 4 and 16 writers sharing one :class:`~dstl.ChangelogStorage`, on local disk and on
 an S3 endpoint (moto's server, started here on 127.0.0.1 with dummy credentials). Each
-checkpoint every writer appends ``changes`` records, then all writers persist; a persist's
-latency runs from the call to its future completing.
+writer is a task on its own thread, as in a worker: per checkpoint every writer appends
+``changes`` records; then the checkpoint's barrier is injected, and reaches each task at
+its own time, uniformly within :data:`BARRIER_SKEW_S` of the injection (barriers queue
+behind records in each task's input), when that task persists on its thread and waits
+for its handles. A persist's latency runs from the call to its future completing. Persists
+that arrive within the batch window (``dstl.batch.delay-s``, 10 ms) share a segment file;
+later ones start their own, so ``files_per_checkpoint`` is what the skew leaves of the
+batching (until 2026-11-25 every persist came from one thread in a tight loop, and one
+file per checkpoint was given).
 
 Same-run baselines (the machine is shared, so ratios hold better than absolutes):
 
-- ``appends_vs_list``: DSTL appends/s divided by appending the same tuples to a list;
+- ``appends_vs_list``: DSTL appends/s (all writer threads appending at once) divided by
+  appending the same tuples to a list on one thread;
 - ``files_vs_per_writer``: segment files per checkpoint divided by the files a naive
   "one file per writer per checkpoint" upload writes (1/writers when batching works);
-- ``persist_vs_per_writer``: persist p50 divided by the p50 of that naive upload.
+- ``persist_vs_per_writer``: persist p50 divided by the p50 of that naive upload, made by
+  the same threads at the same barrier offsets after a second injection.
 
 Usage: ``python -m tools.bench run dstl [--quick] --json OUT``.
 """
@@ -51,6 +60,7 @@ COLUMNS = [
 ]
 
 WRITERS = (1, 4, 16)
+BARRIER_SKEW_S = 0.050  # a barrier reaches each task within this long after its injection
 KEY_BYTES = 8
 VALUE_BYTES = 32
 
@@ -146,23 +156,18 @@ def _list_baseline(payload: list[list[tuple[int, bytes, bytes]]]) -> float:
     return len(sink) / elapsed if elapsed > 0 else 0.0
 
 
-def _per_writer_baseline(
-    fileio: FileIO, payload: list[list[tuple[int, bytes, bytes]]], checkpoint: int
-) -> float:
-    """Latency (s) of the naive scheme: one Parquet file per writer per checkpoint."""
-    start = time.perf_counter()
-    for w, rows in enumerate(payload):
-        table = pa.table(
-            {
-                "key_group": pa.array([r[0] for r in rows], pa.int32()),
-                "key": pa.array([r[1] for r in rows], pa.binary()),
-                "value": pa.array([r[2] for r in rows], pa.binary()),
-            }
-        )
-        sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd")
-        fileio.write_new(f"baseline/{checkpoint:08x}/{w:04x}.parquet", sink.getvalue())
-    return time.perf_counter() - start
+def _naive_file(rows: list[tuple[int, bytes, bytes]]) -> bytes:
+    """The naive scheme's upload: one zstd Parquet file of one writer's records."""
+    table = pa.table(
+        {
+            "key_group": pa.array([r[0] for r in rows], pa.int32()),
+            "key": pa.array([r[1] for r in rows], pa.binary()),
+            "value": pa.array([r[2] for r in rows], pa.binary()),
+        }
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
 
 
 def _stamp(into: dict[int, float], index: int) -> Any:
@@ -174,6 +179,77 @@ def _stamp(into: dict[int, float], index: int) -> Any:
     return callback
 
 
+class _Round:
+    """One checkpoint round, shared by the main thread and the writer threads.
+
+    The main thread writes the inputs (``payload``, ``offsets_s``, ``checkpoint``) before
+    the round's start barrier and reads the results after its end barrier; each writer
+    thread writes only its own index of the results in between. ``barrier_at`` is set by
+    a barrier action (one thread, while the others wait).
+    """
+
+    def __init__(self, writers: int) -> None:
+        self.payload: list[list[tuple[int, bytes, bytes]]] = []
+        self.offsets_s: list[float] = [0.0] * writers
+        self.checkpoint = 0
+        self.append_span: list[tuple[float, float]] = [(0.0, 0.0)] * writers
+        self.persist_s: list[float] = [0.0] * writers
+        self.naive_s: list[float] = [0.0] * writers
+        self.barrier_at = 0.0
+        self.errors: list[BaseException] = []
+
+    def wait_for_barrier(self, index: int) -> None:
+        """Sleep until this writer's barrier arrives (its offset after the injection)."""
+        time.sleep(max(0.0, self.barrier_at + self.offsets_s[index] - time.perf_counter()))
+
+
+def _writer_thread(
+    index: int,
+    writer: Any,
+    naive_io: FileIO,
+    prefix: str,
+    rounds: int,
+    state: _Round,
+    barriers: tuple[threading.Barrier, ...],
+) -> None:
+    """One task's thread, the only one using ``writer``: per round, append its records;
+    when its barrier arrives, persist and wait for the handles; then, at the same offset
+    after a second injection, the naive upload of the same records."""
+    start, appended, persisted, end = barriers
+    from_sqn = writer.next_sqn()
+    for _ in range(rounds):
+        start.wait()
+        try:
+            rows, cp = state.payload[index], state.checkpoint
+            began = time.perf_counter()
+            append = writer.append
+            for kg, key, value in rows:
+                append(kg, "s", 1, key, None, value)
+            state.append_span[index] = (began, time.perf_counter())
+            appended.wait()
+            state.wait_for_barrier(index)
+            done_at: dict[int, float] = {}
+            called = time.perf_counter()
+            fut = writer.persist(from_sqn, cp)
+            fut.add_done_callback(_stamp(done_at, 0))
+            fut.result(timeout=120)
+            state.persist_s[index] = done_at[0] - called
+            writer.confirm(cp)
+            from_sqn = writer.next_sqn()  # as if each checkpoint were materialized
+            writer.truncate(from_sqn)
+            data = _naive_file(rows)
+            persisted.wait()
+            state.wait_for_barrier(index)
+            began = time.perf_counter()
+            naive_io.write_new(f"{prefix}/{cp:08x}/{index:04x}.parquet", data)
+            state.naive_s[index] = time.perf_counter() - began
+        except BaseException as exc:  # reported by the main thread after the round
+            state.errors.append(exc)
+            appended.abort()
+            persisted.abort()
+        end.wait()
+
+
 def _run_case(
     storage_kind: str,
     root: str,
@@ -183,58 +259,68 @@ def _run_case(
     changes: int,
 ) -> dict[str, Any]:
     fileio = CountingFileIO(root, options)
-    base_io = FileIO(root, options)
+    naive_io = FileIO(root, options)
+    rng = random.Random(writers)
     append_s = 0.0
     appends = 0
     list_rates: list[float] = []
     latencies: list[float] = []
-    baseline_latencies: list[float] = []
+    naive_latencies: list[float] = []
     files = 0
     requests = 0
     bytes_before = 0
     opts = ChangelogOptions(batch_delay_s=0.010)
     job = f"bench-{uuid.uuid4().hex[:8]}"
+    state = _Round(writers)
+
+    def inject() -> None:  # barrier action: the checkpoint's barriers start now
+        state.barrier_at = time.perf_counter()
+
+    barriers = (
+        threading.Barrier(writers + 1),  # start: the main thread has set the round up
+        threading.Barrier(writers, action=inject),  # appended: barriers injected
+        threading.Barrier(writers, action=inject),  # persisted: naive uploads' turn
+        threading.Barrier(writers + 1),  # end: the main thread reads the results
+    )
     with ChangelogStorage(fileio, job, "worker0", opts) as storage:
         ws = [storage.create_writer(f"w{i:02d}") for i in range(writers)]
-        from_sqn = [w.next_sqn() for w in ws]
+        threads = [
+            threading.Thread(
+                target=_writer_thread,
+                args=(i, ws[i], naive_io, f"{job}-naive", checkpoints + 1, state, barriers),
+                name=f"bench-task-{i}",
+                daemon=True,  # a failed round leaves the others waiting: never hang the exit
+            )
+            for i in range(writers)
+        ]
+        for t in threads:
+            t.start()
         for checkpoint in range(checkpoints + 1):  # checkpoint 0 warms up (connections)
-            payload = _payload(writers, changes, checkpoint)
-            warm_up = checkpoint == 0
-            start = time.perf_counter()
-            for w, rows in zip(ws, payload, strict=True):
-                append = w.append
-                for kg, key, value in rows:
-                    append(kg, "s", 1, key, None, value)
-            elapsed = time.perf_counter() - start
+            state.payload = _payload(writers, changes, checkpoint)
+            state.offsets_s = [rng.uniform(0.0, BARRIER_SKEW_S) for _ in range(writers)]
+            state.checkpoint = checkpoint
             files_before, requests_before = storage.segments_written, fileio.requests
-            done_at: dict[int, float] = {}
-            called_at: dict[int, float] = {}
-            futures: list[Future[Any]] = []
-            for i, w in enumerate(ws):
-                called_at[i] = time.perf_counter()
-                fut = w.persist(from_sqn[i], checkpoint)
-                fut.add_done_callback(_stamp(done_at, i))
-                futures.append(fut)
-            for fut in futures:
-                fut.result(timeout=120)
-            for i, w in enumerate(ws):
-                w.confirm(checkpoint)
-                from_sqn[i] = w.next_sqn()  # as if each checkpoint were materialized
-                w.truncate(from_sqn[i])
-            if warm_up:
+            barriers[0].wait()
+            barriers[3].wait()
+            if state.errors:
+                raise state.errors[0]
+            if checkpoint == 0:
                 bytes_before = fileio.bytes_written
                 continue
-            append_s += elapsed
+            spans = state.append_span
+            append_s += max(b for _, b in spans) - min(a for a, _ in spans)
             appends += writers * changes
-            list_rates.append(_list_baseline(payload))
-            latencies += [done_at[i] - called_at[i] for i in range(writers)]
+            list_rates.append(_list_baseline(state.payload))
+            latencies += state.persist_s
+            naive_latencies += state.naive_s
             files += storage.segments_written - files_before
             requests += fileio.requests - requests_before
-            baseline_latencies.append(_per_writer_baseline(base_io, payload, checkpoint))
+        for t in threads:
+            t.join()
         bytes_written = fileio.bytes_written - bytes_before
     appends_per_s = appends / append_s if append_s > 0 else 0.0
     p50 = _percentile(latencies, 0.50) * 1000
-    base_p50 = statistics.median(baseline_latencies) * 1000
+    base_p50 = statistics.median(naive_latencies) * 1000
     files_per_checkpoint = files / checkpoints
     return {
         "storage": storage_kind,
@@ -248,9 +334,9 @@ def _run_case(
         "persist_p99_ms": round(_percentile(latencies, 0.99) * 1000, 2),
         "per_writer_upload_p50_ms": round(base_p50, 2),
         "persist_vs_per_writer": round(p50 / base_p50, 3) if base_p50 > 0 else None,
-        "files_per_checkpoint": files_per_checkpoint,
+        "files_per_checkpoint": round(files_per_checkpoint, 2),
         "files_vs_per_writer": round(files_per_checkpoint / writers, 3),
-        "requests_per_checkpoint": requests / checkpoints,
+        "requests_per_checkpoint": round(requests / checkpoints, 2),
     }
 
 
@@ -272,11 +358,11 @@ def run(quick: bool) -> dict[str, Any]:
     sixteen = [c for c in cases if c["writers"] == 16]
     return {
         "cases": cases,
-        # one file per upload batch by construction; per checkpoint it is 1 unless the
-        # 16 persists took longer than the batch window to issue
+        # one file per upload batch: persists within the batch window share one
         "files_per_checkpoint_at_16_writers": {
             c["storage"]: c["files_per_checkpoint"] for c in sixteen
         },
         "change_bytes": KEY_BYTES + VALUE_BYTES,
+        "barrier_skew_ms": BARRIER_SKEW_S * 1e3,
         "notes": "requests = FileIO writes+reads+deletes; deletes follow truncation",
     }

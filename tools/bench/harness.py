@@ -13,7 +13,7 @@ from typing import Any
 
 import tools.bench
 
-_NOT_BENCHMARKS = {"harness", "__main__", "workload", "flink_job", "spark_processors"}
+_NOT_BENCHMARKS = {"harness", "__main__", "report", "workload", "flink_job", "spark_processors"}
 
 
 def available() -> list[str]:
@@ -49,6 +49,35 @@ def format_table(columns: list[str], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """Where a result is measured: cores, RAM, CPU model, Python version, platform."""
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "ram_bytes": _ram_bytes(),
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+    }
+
+
 def run(name: str, quick: bool) -> dict[str, Any]:
     """Run one benchmark and wrap its result with run metadata."""
     module = load(name)
@@ -59,11 +88,7 @@ def run(name: str, quick: bool) -> dict[str, Any]:
         "quick": quick,
         "started_at": started,
         "duration_s": round(time.time() - started, 3),
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "columns": list(module.COLUMNS),
         **result,
     }

@@ -1,15 +1,17 @@
 """Materialization: bytes uploaded per materialization follow the change, not the state.
 
 A backend with the changelog on holds ``S`` keys (then ``10 S``); between two
-materializations it applies the same number of updates, either to a fixed hot set of
-keys (``hot``: most files stay unchanged and are shared) or uniformly over all keys
-(``uniform``: every heap piece changes, so a heap materialization re-uploads about
-everything: reported as it is; the changelog, not the materialization, is what keeps
-checkpoints flat then). Per case it reports the averages over the counted
-materializations: new and total bytes and files, upload time; and, at a checkpoint taken
-right before a materialization (the largest log), the full checkpoint size (every
-referenced byte: materialized files + changelog segments) over the live state size (the
-state as one compact zstd Parquet table per state): ``space_amp``.
+materializations it applies the same number of updates, either uniformly over all keys
+(``uniform``: the headline, what a keyed job over many keys does; every heap piece
+changes, so a heap materialization re-uploads about everything, and the changelog, not
+the materialization, is what keeps checkpoints flat then) or to a fixed set of
+:data:`HOT_KEYS` keys (``hot``, labelled: most files stay unchanged and are shared). Per
+case it reports the averages over the counted materializations: new and total bytes and
+files, upload and task-thread (sync) time and their sum (``mat_ms``, the wall time of one
+materialization); and, at a checkpoint taken right before a materialization (the largest
+log), the full checkpoint size (every referenced byte: materialized files + changelog
+segments) over the live state size (the state as one compact zstd Parquet table per
+state): ``space_amp``.
 
 Heap: the first materialization (the full upload) is not counted, every later one is.
 RocksDB's files depend on its history, so its cases run longer. The load (every key
@@ -28,13 +30,14 @@ size), and also as one compact SST file written with the backend's own options
 (``live_sst_bytes``, ``space_amp_sst``): the same format and codec (zstd), so that
 ratio is the LSM's own amplification, apart from the format's.
 
-Summary fields: ``new_bytes_ratio_10x_state`` (heap, hot case: new bytes per
-materialization at 10 S / at S; target <= 1.5), ``new_bytes_ratio_10x_state_uniform`` (the
-same for uniform updates, for honesty), ``new_bytes_ratio_10x_state_rocksdb`` (and
-``_rocksdb_uniform`` in a full run), ``space_amplification`` (heap, worst case; target <=
-1.5), ``space_amplification_rocksdb`` (against the zstd Parquet size, like heap) and
+Summary fields (uniform keys unless labelled): ``new_bytes_ratio_10x_state`` (heap: new
+bytes per materialization at 10 S / at S), ``materialization_ms`` (heap at 10 S: sync +
+upload, the wall time of one materialization), ``new_bytes_ratio_10x_state_rocksdb`` and
+``materialization_ms_rocksdb``; the same for hot keys with the suffix ``_hot`` (heap, and
+RocksDB in a full run); ``space_amplification`` (heap, worst case; target <= 1.5),
+``space_amplification_rocksdb`` (against the zstd Parquet size, like heap) and
 ``space_amplification_rocksdb_sst`` (against a compact SST). Default settings throughout
-(content-defined heap pieces of :data:`~materializer.heap_layout.DEFAULT_PIECE_ROWS` rows,
+(content-defined heap pieces of :data:`~backends.tables.DEFAULT_PIECE_ROWS` rows,
 default DSTL options, :func:`backends.rocksdb.db_options`).
 """
 
@@ -70,6 +73,7 @@ COLUMNS: list[str] = [
     "bytes_total",
     "files_new",
     "files_shared",
+    "mat_ms",
     "upload_ms",
     "sync_ms",
     "log_bytes",
@@ -190,6 +194,7 @@ def _case(
         "bytes_total": round(mean(s.bytes_total for s in stats)),
         "files_new": round(mean(s.files_new for s in stats), 1),
         "files_shared": round(mean(s.files_shared for s in stats), 1),
+        "mat_ms": round(mean(s.duration_s + s.sync_duration_s for s in stats) * 1e3, 1),
         "upload_ms": round(mean(s.duration_s for s in stats) * 1e3, 1),
         "sync_ms": round(mean(s.sync_duration_s for s in stats) * 1e3, 1),
         "log_bytes": worst[1],
@@ -201,16 +206,16 @@ def _case(
 
 
 def run(quick: bool) -> dict[str, Any]:
-    """Hot and uniform updates at state S and 10 S, heap and RocksDB; new-byte ratios."""
+    """Uniform (headline) and hot updates at state S and 10 S, heap and RocksDB."""
     keys = 40_000 if quick else 100_000
     updates = 2_000  # a multiple of CHECKPOINT_EVERY
     rounds = 2 if quick else 4
     # RocksDB: counted rounds in whole L0 compaction cycles (4 flushes, one per
-    # materialization), after the warm-up; --quick runs only its hot case.
+    # materialization), after the warm-up; --quick runs only its uniform case.
     rocks_rounds = 8 if quick else 16
-    plan = [("heap", "hot"), ("heap", "uniform"), ("rocksdb", "hot")]
+    plan = [("heap", "uniform"), ("heap", "hot"), ("rocksdb", "uniform")]
     if not quick:
-        plan.append(("rocksdb", "uniform"))
+        plan.append(("rocksdb", "hot"))
     cases = [
         _case(store, pattern, n, updates, rounds if store == "heap" else rocks_rounds, seed=7)
         for store, pattern in plan
@@ -218,21 +223,22 @@ def run(quick: bool) -> dict[str, Any]:
     ]
     by = {(c["store"], c["pattern"], c["keys"]): c for c in cases}
 
-    def ratio(store: str, pattern: str) -> float:
+    def headline(store: str, pattern: str) -> dict[str, Any]:
         small, big = by[(store, pattern, keys)], by[(store, pattern, 10 * keys)]
-        return round(big["bytes_new"] / max(small["bytes_new"], 1), 3)
+        suffix = ("" if store == "heap" else "_rocksdb") + ("" if pattern == "uniform" else "_hot")
+        return {
+            f"new_bytes_ratio_10x_state{suffix}": round(
+                big["bytes_new"] / max(small["bytes_new"], 1), 3
+            ),
+            f"materialization_ms{suffix}": big["mat_ms"],
+        }
 
     rocks = [c for c in cases if c["store"] == "rocksdb"]
+    out: dict[str, Any] = {"cases": cases, "keys_largest": 10 * keys}
+    for store, pattern in plan:
+        out.update(headline(store, pattern))
     return {
-        "cases": cases,
-        "new_bytes_ratio_10x_state": ratio("heap", "hot"),
-        "new_bytes_ratio_10x_state_uniform": ratio("heap", "uniform"),
-        "new_bytes_ratio_10x_state_rocksdb": ratio("rocksdb", "hot"),
-        **(
-            {}
-            if quick
-            else {"new_bytes_ratio_10x_state_rocksdb_uniform": ratio("rocksdb", "uniform")}
-        ),
+        **out,
         "space_amplification": max(c["space_amp"] for c in cases if c["store"] == "heap"),
         "space_amplification_rocksdb": max(c["space_amp"] for c in rocks),
         "space_amplification_rocksdb_sst": max(c["space_amp_sst"] for c in rocks),

@@ -16,8 +16,16 @@ reference cycle) used to pin their change buffers, so a logged run took ~1900 pa
 of fresh memory that the unlogged run did not. ``changelog_overhead_ratio`` is the worst
 per-record case's ``overhead`` (``..._of_bests``: the worst ratio of best times);
 ``batch_updates_per_s_heap`` is the heap store's value-state batch rate with the changelog
-on (``..._no_changelog`` without). The changelog's upload thread runs as in production
-(pre-emptive persists happen during the run); checkpoint time is not included.
+on (``..._no_changelog`` without).
+
+A changelog-on run includes its uploads: the changelog's upload thread runs as in
+production (pre-emptive persists above ``dstl.preemptive-persist-bytes`` during the run),
+and the run ends with a checkpoint whose handles it waits for, so every change it logged
+is durable when its time stops (``upload_ms``: that wait; it includes the batch window,
+``dstl.batch.delay-s``, a fixed latency that a longer run amortizes). Until 2026-11-25 it
+stopped before any upload: a ``--quick`` run (100k heap records, under 1 MB of log) fires
+no pre-emptive persist, so its overhead left the upload out entirely (a full run's 400k
+records fire two or three).
 ``operator_overhead_ratio`` is the same on/off ratio for a whole keyed function, the demo
 job's ``UserStats`` (per event: two value updates, a list add or set, a map put, their
 reads, an emit), driven directly on the task thread over pre-generated events (worst of
@@ -60,6 +68,7 @@ COLUMNS = [
     "updates",
     "seconds",
     "updates_per_s",
+    "upload_ms",
     "overhead",
     "overhead_of_bests",
 ]
@@ -141,7 +150,9 @@ def _measure(
     tmp: str,
     storage: ChangelogStorage,
     counter: list[int],
-) -> float:
+) -> tuple[float, float]:
+    """Seconds of ``run`` on a fresh store, and (changelog on) of its upload after it: a
+    checkpoint from the call until its handles are durable."""
     store = _store(kind, tmp)
     writer = None
     if logged:
@@ -150,7 +161,12 @@ def _measure(
     try:
         backend = store if writer is None else ChangelogKeyedStateBackend(store, writer)
         gc.collect()  # the runs before left cycles (state <-> backend): not this run's cost
-        return run(backend)
+        elapsed = run(backend)
+        if writer is None:
+            return elapsed, 0.0
+        started = time.perf_counter()
+        backend.checkpoint(1).result()
+        return elapsed, time.perf_counter() - started
     finally:
         store.close()
         if writer is not None:
@@ -167,17 +183,22 @@ def _off_and_on(
 ) -> list[dict[str, Any]]:
     """``rounds`` rounds of a changelog-off run then an on run, as an off and an on row.
 
-    ``seconds`` is each mode's best run. The on row's ``overhead`` is the median over the
-    rounds of on/off within a round (the two runs see the machine in the same state);
-    ``overhead_of_bests`` is the ratio of the best times, the estimator used until
-    2026-11-22: over repeated runs of the same code it spread twice as wide (see
-    the module docstring).
+    An on run's time includes its upload (see :func:`_measure`; ``upload_ms`` is its
+    median). ``seconds`` is each mode's best run. The on row's ``overhead`` is the median
+    over the rounds of on/off within a round (the two runs see the machine in the same
+    state); ``overhead_of_bests`` is the ratio of the best times, the estimator used until
+    2026-11-22: over repeated runs of the same code it spread twice as wide (see the module
+    docstring).
     """
     kind, state, api, n = case
     times: dict[bool, list[float]] = {False: [], True: []}
+    uploads: list[float] = []
     for _ in range(rounds):
         for logged in (False, True):
-            times[logged].append(_measure(kind, logged, run, tmp, storage, counter))
+            elapsed, upload = _measure(kind, logged, run, tmp, storage, counter)
+            times[logged].append(elapsed + upload)
+            if logged:
+                uploads.append(upload)
     best = {logged: min(t) for logged, t in times.items()}
     paired = statistics.median(on / off for off, on in zip(times[False], times[True], strict=True))
     return [
@@ -189,6 +210,7 @@ def _off_and_on(
             "updates": n,
             "seconds": round(best[logged], 4),
             "updates_per_s": round(n / best[logged]),
+            "upload_ms": round(statistics.median(uploads) * 1e3, 2) if logged else "",
             "overhead": round(paired, 3) if logged else "",
             "overhead_of_bests": round(best[True] / best[False], 3) if logged else "",
         }
