@@ -17,7 +17,10 @@ from pyspark import cloudpickle
 from backends.keygroups import key_group_for
 from coordinator.spark.config import StepConfig, schema_bytes
 from coordinator.spark.host import NO_CHECKPOINT, BatchAck, BatchRequest, StateHost
+from dstl.retry import RetryPolicy
+from dstl.upload import Uploader
 from tests.coordinator.spark.jobs import Counts, Sessions, key_of, reference
+from tests.dstl.faults import FaultyFileIO
 
 OUTPUT_SCHEMA = pa.schema(
     [("k", pa.string()), ("v", pa.int64()), ("n", pa.int64()), ("total", pa.int64())]
@@ -225,5 +228,23 @@ def test_event_and_processing_time_timers(tmp_path: Path, backend: str) -> None:
         rows = output(host, [first, second, third])
         assert rows == {("a", -1, 3, 1_001), ("a", 0, 3, 1_300)}
         assert first.stats["max_event_time_ms"] == 200
+    finally:
+        host.close()
+
+
+def test_staged_output_goes_through_the_hosts_uploader(tmp_path: Path) -> None:
+    # A transient failure of one PUT is retried under another name (the embedded
+    # runtime's retries and byte budget), and the ack names the file that holds the rows.
+    config = make_config(tmp_path, "heap", parallelism=1)
+    host = StateHost(config.store_url, {}, config.job, str(tmp_path / "local"))
+    try:
+        faulty = FaultyFileIO(config.store_url)
+        host.uploader.close()
+        host.uploader = Uploader(faulty, RetryPolicy(max_attempts=3, base_delay_s=0))
+        faulty.script("transient")
+        (ack,) = run_batch(host, config, 0, NO_CHECKPOINT, [], range(0, 100))
+        assert ack.output is not None and ".a1." in ack.output.location
+        assert [action for _, action in faulty.writes] == ["transient", "ok"]
+        assert output(host, [ack]) == reference(range(100))[0]
     finally:
         host.close()
