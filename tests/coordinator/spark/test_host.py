@@ -17,10 +17,12 @@ from pyspark import cloudpickle
 from backends.keygroups import key_group_for
 from coordinator.spark.config import StepConfig, schema_bytes
 from coordinator.spark.host import NO_CHECKPOINT, BatchAck, BatchRequest, StateHost
+from dstl.fileio import FileIO
 from dstl.retry import RetryPolicy
 from dstl.upload import Uploader
-from tests.coordinator.spark.jobs import Counts, Sessions, key_of, reference
+from tests.coordinator.spark.jobs import Counts, Lists, Sessions, key_of, reference
 from tests.dstl.faults import FaultyFileIO
+from tools.restore import restore_operator
 
 OUTPUT_SCHEMA = pa.schema(
     [("k", pa.string()), ("v", pa.int64()), ("n", pa.int64()), ("total", pa.int64())]
@@ -195,6 +197,37 @@ def test_rescale_restores_each_range_from_the_old_ranges(tmp_path: Path, backend
         expected, _ = reference(range(1500))
         got = set().union(*(output(host, a) for a in (acks0, acks1, acks2, acks3)))
         assert got == expected
+    finally:
+        host.close()
+
+
+def test_rescaling_back_and_forth_replays_each_change_once(tmp_path: Path, backend: str) -> None:
+    # 2 -> 3 -> 2 -> 3: the second rescale's ranges were restored from handles that each
+    # listed the first writers' blocks (regression: listed twice, replayed twice, so every
+    # list grew by its old items again).
+    configs = {
+        p: make_config(tmp_path, backend, parallelism=p, processor=cloudpickle.dumps(Lists))
+        for p in (2, 3)
+    }
+    host = StateHost(configs[2].store_url, {}, configs[2].job, str(tmp_path / "local"))
+    try:
+        acks = run_batch(host, configs[2], 0, NO_CHECKPOINT, [], range(0, 400))
+        got = output(host, acks)
+        for batch, parallelism in enumerate((2, 3, 2, 3, 2), start=1):
+            values = range(batch * 100 + 300, batch * 100 + 400)
+            acks = run_batch(host, configs[parallelism], batch, batch - 1, acks, values)
+            got |= output(host, acks)
+        lengths: dict[str, int] = {}
+        expected = set()
+        for v in range(900):
+            lengths[key_of(v)] = lengths.get(key_of(v), 0) + 1
+            expected.add((key_of(v), v, lengths[key_of(v)], 0))
+        assert got == expected
+        state = restore_operator(FileIO(configs[2].store_url), tuple(a.keyed for a in acks))
+        items = {k: v for e in state.tables["items"].values() for k, v in e.items()}
+        assert {k: sorted(v) for k, v in items.items()} == {
+            k: sorted(v for v in range(900) if key_of(v) == k) for k in lengths
+        }
     finally:
         host.close()
 
