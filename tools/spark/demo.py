@@ -112,7 +112,7 @@ def driver(args: argparse.Namespace) -> int:
 
     def each(df: Any, batch_id: int) -> None:
         step(df, batch_id)
-        _emit({"event": "batch", **step.progress[-1]})
+        _emit({"event": "batch", "parallelism": args.parallelism, **step.progress[-1]})
 
     events = (
         spark.readStream.schema("seq long, user string, item string, cents long, category string")
@@ -230,6 +230,7 @@ class DemoResult:
     restores: int
     output_ok: bool
     state_ok: bool
+    parallelisms: tuple[int, ...] = ()  # of the batches processed (not re-delivered)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -245,27 +246,31 @@ def run(args: argparse.Namespace) -> DemoResult:
     if os.path.exists(data):
         shutil.rmtree(data)
     files = write_inputs(os.path.join(data, "input"), args.events, args.per_batch, args.seed)
-    cmd = [
-        sys.executable, "-m", "tools.spark.demo", "driver",
-        "--data", data,
-        "--state-backend", args.state_backend,
-        "--parallelism", str(args.parallelism),
-        "--materialization-interval", str(args.materialization_interval),
-        *[a for f in args.fault for a in ("--fault", f)],
-        *[a for b in args.crash_after_record for a in ("--crash-after-record", str(b))],
-    ]  # fmt: skip
+
+    def cmd(run: int) -> list[str]:  # every other run at the other parallelism, if given
+        parallelism = args.rescale if args.rescale and run % 2 else args.parallelism
+        return [
+            sys.executable, "-m", "tools.spark.demo", "driver",
+            "--data", data,
+            "--state-backend", args.state_backend,
+            "--parallelism", str(parallelism),
+            "--materialization-interval", str(args.materialization_interval),
+            *[a for f in args.fault for a in ("--fault", f)],
+            *[a for b in args.crash_after_record for a in ("--crash-after-record", str(b))],
+        ]  # fmt: skip
+
     os.environ["DEMO_SPARK_CRASHED_DIR"] = data
     rng = random.Random(args.seed)
     started = time.monotonic()
     runs: list[tuple[list[dict[str, Any]], int]] = []
     try:
         for _ in range(args.kills):
-            runs.append(run_driver(cmd, rng.uniform(args.kill_min_s, args.kill_max_s)))
+            runs.append(run_driver(cmd(len(runs)), rng.uniform(args.kill_min_s, args.kill_max_s)))
             if runs[-1][1] == 0:
                 break  # done before the kill
         code = 0
         for _ in range(args.kills + len(args.crash_after_record) + 3):
-            events, code = run_driver(cmd, None)
+            events, code = run_driver(cmd(len(runs)), None)
             runs.append((events, code))
             if code == 0:
                 break
@@ -295,8 +300,11 @@ def run(args: argparse.Namespace) -> DemoResult:
         ("wall time", f"{elapsed:.1f} s"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
+    ranges = f"{args.parallelism} ranges" + (
+        f", {args.rescale} every other run" if args.rescale else ""
+    )
     print(
-        f"demo job on Spark (local[2], {args.state_backend}, {args.parallelism} ranges): "
+        f"demo job on Spark (local[2], {args.state_backend}, {ranges}): "
         "file source -> stateful step -> committed Parquet"
     )
     for k, v in rows:
@@ -305,7 +313,8 @@ def run(args: argparse.Namespace) -> DemoResult:
     print("\nThe store is kept; try:")
     print(f"  {statectl} checkpoints list --store {os.path.relpath(data)}/store")
     print("\nRESULT: " + ("OK" if ok else "MISMATCH"))
-    return DemoResult(ok, killed, replayed, restores, output_ok, state_ok)
+    parallelisms = tuple(sorted({int(b["parallelism"]) for b in processed}))
+    return DemoResult(ok, killed, replayed, restores, output_ok, state_ok, parallelisms)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--state-backend", choices=["heap", "rocksdb"], default="heap")
     parser.add_argument("--parallelism", type=int, default=2)
+    parser.add_argument(
+        "--rescale", type=int, default=0, help="run every other driver at this parallelism"
+    )
     parser.add_argument("--materialization-interval", type=float, default=5.0)
     parser.add_argument("--kills", type=int, default=3, help="driver runs killed with SIGKILL")
     parser.add_argument("--kill-min-s", type=float, default=4.0)
