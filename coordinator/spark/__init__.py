@@ -40,7 +40,7 @@ Measured on this machine (2 cores shared with other work, load 4-6):
 - ``python -m tools.bench run spark-pipeline --quick`` (2,000 keys, 10,000 rows per batch;
   ``applyInPandasWithState`` on Spark's RocksDB store with changelog checkpointing; three
   runs on a machine shared with other work, load 4-10): at Spark's defaults (200 state
-  partitions) 5,900-6,400 vs 140-330 records/s (our RocksDB ranges, P=2; heap 8,500-10,000),
+  partitions) 5,600-6,400 vs 140-330 records/s (our RocksDB ranges, P=2; heap 8,500-10,000),
   batch p99 2-3 s vs 38-78 s, 4.8-5.0 vs 200 new state files per batch (ours: 1-1.2
   changelog segments for both ranges, ~2.8 materialized files, 1 metadata record) and 4
   vs 200 output files. At Spark's 2 partitions: 2.5-5x its throughput, but 5.0 vs 2.0 state
@@ -48,9 +48,9 @@ Measured on this machine (2 cores shared with other work, load 4-6):
   restart: 3.5-4.6 s (a new state server: process start, imports, the segment encoder)
   vs 1.5-2.1 s at 2 partitions and 43-63 s at 200.
 - Rescale 2 -> 4 (stopped query to the end of its first batch at Q, 200-row batch, query
-  start included on both sides): ours 2.2 s vs 7.1-8.0 s for Spark's offline repartition
-  plus restart, both the first in the session (3.1-3.7x); repeated in a warm session
-  1.6-1.7 s vs 2.8-6.1 s. Where ours goes (profiled): 0.25-0.5 s from the query's start
+  start included on both sides): ours 2.2-2.6 s vs 7.1-8.0 s for Spark's offline repartition
+  plus restart, both the first in the session (2.7-3.7x); repeated in a warm session
+  1.6-1.9 s vs 2.8-6.1 s. Where ours goes (profiled): 0.25-0.5 s from the query's start
   to the first ``foreachBatch`` call (Spark's, both pay it); the batch's Spark job
   1.1-1.3 s, in which each of the 4 ranges costs the state server 150-200 ms (restore
   20-110 ms, persist ~60 ms of which 50 ms is the segment-sharing window, staging ~5 ms),
