@@ -399,11 +399,11 @@ def restore_into(
     for h in relevant(handles, backend.key_group_range):
         rng = _intersect(backend.key_group_range, h.key_group_range)
         started = time.perf_counter()
-        for m in h.materialized:
+        for m in dict.fromkeys(h.materialized):
             _load_materialization(backend, fileio, m, rng, trusted, states)
         loaded = time.perf_counter()
         by_writer: dict[str, list[ChangelogHandle]] = {}
-        for c in h.changelog:
+        for c in dict.fromkeys(h.changelog):  # a block listed twice is replayed once
             by_writer.setdefault(c.writer_id, []).append(c)
         changes = 0
         for writer_id, logs in by_writer.items():
@@ -462,5 +462,8 @@ def restore_changelog_backend(
     """
     restore_into(backend.inner, fileio, handles)
     wanted = relevant(handles, backend.key_group_range)
-    backend.base = tuple(m for h in wanted for m in h.materialized)
-    backend.restored_log = tuple(c for h in wanted for c in h.changelog)
+    # After a rescale, several handles reference the same old writer's blocks and
+    # materializations (each new range restored from the old range that held it): listed
+    # once each, or a later restore replays a block twice (a list state's appends doubled).
+    backend.base = tuple(dict.fromkeys(m for h in wanted for m in h.materialized))
+    backend.restored_log = tuple(dict.fromkeys(c for h in wanted for c in h.changelog))

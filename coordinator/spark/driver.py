@@ -291,7 +291,7 @@ class StatefulStep:
             processor=cloudpickle_dumps(self._processor),
             output_schema=schema_bytes(to_arrow_schema(schema)),
         )
-        self._placement = partition_values(spark, self.config.parallelism)
+        self._placement = partition_values(self.config.parallelism)
         return self.config
 
     def _check_compatible(self, config: StepConfig, latest: CompletedCheckpoint | None) -> None:

@@ -56,6 +56,7 @@ from dstl.changelog import ChangelogOptions, ChangelogStorage
 from dstl.errors import CheckpointError, ConfigError
 from dstl.fileio import FileIO
 from dstl.integrity import content_hash
+from dstl.upload import Uploader
 from materializer import MaterializationOptions, MaterializationScheduler, Materializer
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,9 @@ class StateHost:
     Thread-safe: :meth:`process` may run on several connection threads at once (for
     different ranges; a second request for the same range waits for the first).
     ``_lock`` guards ``_slots``, ``_parallelism`` and ``_configs``; each slot's lock guards
-    its host. ``restores`` counts rebuilt ranges. Close with :meth:`close`.
+    its host. ``restores`` counts rebuilt ranges. ``uploader`` (thread-safe) writes the
+    staged output and the materialized files of every range, with the embedded runtime's
+    retries, hedging and byte budget. Close with :meth:`close`.
     """
 
     def __init__(
@@ -202,6 +205,9 @@ class StateHost:
         self.storage = ChangelogStorage(
             self.fileio, job, self.worker, ChangelogOptions(batch_delay_s=0.05)
         )
+        # Staged output and materialized files: the retries, hedging and byte budget of
+        # the embedded runtime's worker uploader, shared by every range of this host.
+        self.uploader = Uploader(self.fileio, name=f"{job}-{self.worker}")
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._parallelism: int | None = None
@@ -250,7 +256,12 @@ class StateHost:
                 restore_changelog_backend(backend, self.fileio, handles)
             restore_ms = (time.perf_counter() - started) * 1e3
             materializer = Materializer(
-                backend, self.fileio, config.job, config.operator, request.subtask
+                backend,
+                self.fileio,
+                config.job,
+                config.operator,
+                request.subtask,
+                uploader=self.uploader,
             )
             scheduler = MaterializationScheduler(
                 materializer,
@@ -389,7 +400,7 @@ class StateHost:
         path = layout.staged_output_path(
             config.job, config.operator, request.subtask, request.batch_id, secrets.token_hex(6)
         )
-        self.fileio.write_new(path, data)
+        path = self.uploader.upload(path, data)  # an attempt's name if a retry won
         return SinkTransactionHandle(
             path,
             request.batch_id,
@@ -410,6 +421,7 @@ class StateHost:
                 if slot.host is not None:
                     slot.host.close()
                     slot.host = None
+        self.uploader.close()  # after the ranges: their materializations finished
         self.storage.close()
 
 

@@ -92,55 +92,76 @@ def driver(args: argparse.Namespace) -> int:
     faults = tuple(
         Fault(int(b), int(s), point) for b, s, point in (f.split(":") for f in args.fault)
     )
-    step = stateful(
-        UserStats,
-        key="user",
-        values=["item", "cents", "category"],
-        output_schema=OUTPUT_SCHEMA,
-        job=JOB,
-        operator=OPERATOR,
-        store=os.path.join(args.data, "store"),
-        output=os.path.join(args.data, "output"),
-        state_backend=args.state_backend,
-        parallelism=args.parallelism,
-        order_by="seq",
-        materialization_interval_s=args.materialization_interval,
-        local_dir=os.path.join(args.data, "local"),
-        faults=faults,
-        before_deliver=_crash_at(args.crash_after_record),
-    )
-
-    def each(df: Any, batch_id: int) -> None:
-        step(df, batch_id)
-        _emit({"event": "batch", **step.progress[-1]})
-
     events = (
         spark.readStream.schema("seq long, user string, item string, cents long, category string")
         .option("maxFilesPerTrigger", 1)
         .json(os.path.join(args.data, "input"))
     )
     _emit({"event": "started"})
-    query = (
-        events.writeStream.foreachBatch(each)
-        .option("checkpointLocation", os.path.join(args.data, "spark-checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
+    steps, queries = [], []
+    for backend in backends_of(args):  # one query per state store, on the same input
+        where = backend_dir(args.data, args, backend)
+        step = stateful(
+            UserStats,
+            key="user",
+            values=["item", "cents", "category"],
+            output_schema=OUTPUT_SCHEMA,
+            job=JOB,
+            operator=OPERATOR,
+            store=os.path.join(where, "store"),
+            output=os.path.join(where, "output"),
+            state_backend=backend,
+            parallelism=args.parallelism,
+            order_by="seq",
+            materialization_interval_s=args.materialization_interval,
+            local_dir=os.path.join(args.data, "local"),  # shared: a socket path is short
+            faults=faults,
+            before_deliver=_crash_at(args.crash_after_record, backend),
+        )
+
+        def each(df: Any, batch_id: int, step: Any = step, backend: str = backend) -> None:
+            step(df, batch_id)
+            progress = step.progress[-1]
+            _emit(
+                {"event": "batch", "backend": backend, "parallelism": args.parallelism, **progress}
+            )
+
+        steps.append(step)
+        queries.append(
+            events.writeStream.foreachBatch(each)
+            .option("checkpointLocation", os.path.join(where, "spark-checkpoint"))
+            .trigger(availableNow=True)
+            .start()
+        )
+    for query in queries:
+        query.awaitTermination()
     _emit({"event": "finished"})
-    step.close()
+    for step in steps:
+        step.close()
     spark.stop()
     return 0
 
 
-def _crash_at(batches: list[int]) -> Any:
-    """A hook that kills this driver right after checkpoint ``b`` (in ``batches``) is
-    recorded, before its output is committed: the restarted query must find ``b``
-    complete and deliver its output again, not process it again."""
+def backends_of(args: argparse.Namespace) -> list[str]:
+    """The state stores to run (``--state-backend``, repeatable; heap if none)."""
+    return list(dict.fromkeys(args.state_backend or ["heap"]))
+
+
+def backend_dir(data: str, args: argparse.Namespace, backend: str) -> str:
+    """Where one store's query keeps its state, output and checkpoint: ``data`` itself
+    with one state store, ``data/<backend>`` with several (the input and the state
+    servers' ``local`` directory are shared)."""
+    return data if len(backends_of(args)) == 1 else os.path.join(data, backend)
+
+
+def _crash_at(batches: list[int], backend: str) -> Any:
+    """A hook that kills this driver right after checkpoint ``b`` (in ``batches``) of the
+    ``backend`` query is recorded, before its output is committed: the restarted query
+    must find ``b`` complete and deliver its output again, not process it again."""
     marker_dir = os.environ.get("DEMO_SPARK_CRASHED_DIR", "")
 
     def hook(checkpoint: Any) -> None:
-        marker = os.path.join(marker_dir, f"crashed-{checkpoint.checkpoint_id}")
+        marker = os.path.join(marker_dir, f"crashed-{backend}-{checkpoint.checkpoint_id}")
         if checkpoint.checkpoint_id in batches and not os.path.exists(marker):
             open(marker, "w").close()  # once per batch, across driver runs
             os.kill(os.getpid(), signal.SIGKILL)
@@ -222,7 +243,8 @@ def verify(data: str, events_per_source: int, seed: int) -> tuple[bool, bool, in
 
 @dataclass(frozen=True, slots=True)
 class DemoResult:
-    """What a demo run did and found."""
+    """What a demo run did and found (with several state stores: the counts are the
+    smallest of any store's, ``parallelisms`` those every store processed batches at)."""
 
     ok: bool
     killed: int
@@ -230,6 +252,7 @@ class DemoResult:
     restores: int
     output_ok: bool
     state_ok: bool
+    parallelisms: tuple[int, ...] = ()  # of the batches processed (not re-delivered)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -245,27 +268,33 @@ def run(args: argparse.Namespace) -> DemoResult:
     if os.path.exists(data):
         shutil.rmtree(data)
     files = write_inputs(os.path.join(data, "input"), args.events, args.per_batch, args.seed)
-    cmd = [
-        sys.executable, "-m", "tools.spark.demo", "driver",
-        "--data", data,
-        "--state-backend", args.state_backend,
-        "--parallelism", str(args.parallelism),
-        "--materialization-interval", str(args.materialization_interval),
-        *[a for f in args.fault for a in ("--fault", f)],
-        *[a for b in args.crash_after_record for a in ("--crash-after-record", str(b))],
-    ]  # fmt: skip
+
+    backends = backends_of(args)
+
+    def cmd(run: int) -> list[str]:  # every other run at the other parallelism, if given
+        parallelism = args.rescale if args.rescale and run % 2 else args.parallelism
+        return [
+            sys.executable, "-m", "tools.spark.demo", "driver",
+            "--data", data,
+            *[a for b in backends for a in ("--state-backend", b)],
+            "--parallelism", str(parallelism),
+            "--materialization-interval", str(args.materialization_interval),
+            *[a for f in args.fault for a in ("--fault", f)],
+            *[a for b in args.crash_after_record for a in ("--crash-after-record", str(b))],
+        ]  # fmt: skip
+
     os.environ["DEMO_SPARK_CRASHED_DIR"] = data
     rng = random.Random(args.seed)
     started = time.monotonic()
     runs: list[tuple[list[dict[str, Any]], int]] = []
     try:
         for _ in range(args.kills):
-            runs.append(run_driver(cmd, rng.uniform(args.kill_min_s, args.kill_max_s)))
+            runs.append(run_driver(cmd(len(runs)), rng.uniform(args.kill_min_s, args.kill_max_s)))
             if runs[-1][1] == 0:
                 break  # done before the kill
         code = 0
-        for _ in range(args.kills + len(args.crash_after_record) + 3):
-            events, code = run_driver(cmd, None)
+        for _ in range(args.kills + len(backends) * len(args.crash_after_record) + 3):
+            events, code = run_driver(cmd(len(runs)), None)
             runs.append((events, code))
             if code == 0:
                 break
@@ -273,39 +302,64 @@ def run(args: argparse.Namespace) -> DemoResult:
         stop_servers(os.path.join(data, "local"))
     elapsed = time.monotonic() - started
     killed = sum(1 for _, c in runs if c == -signal.SIGKILL)
-    replayed = sum(1 for events, _ in runs for e in events if e.get("replayed"))
-    batches = [e for events, _ in runs for e in events if e.get("event") == "batch"]
-    processed = [b for b in batches if not b.get("replayed")]
-    durations = [float(b["batch_ms"]) for b in processed]
-    output_ok, state_ok, got, expected = verify(data, args.events, args.seed)
     finished = bool(runs) and runs[-1][1] == 0
-    ok = finished and output_ok and state_ok and (killed > 0 or args.kills == 0)
-    ok = ok and replayed >= len(args.crash_after_record)
-    restores = sum(int(b.get("restores", 0)) for b in processed)
-    rows = [
-        ("input", f"{2 * args.events} events in {files} files (one per micro-batch)"),
-        ("driver runs", f"{len(runs)}: {killed} killed with SIGKILL, last exit {runs[-1][1] if runs else '?'}"),
-        ("batches", f"{len(processed)} processed (some twice after a kill), "
-                    f"{len(batches) - len(processed)} found complete and re-delivered"),
-        ("batch duration", f"p50 {percentile(durations, 0.5):.0f} ms, p99 {percentile(durations, 0.99):.0f} ms"),
-        ("restores", f"{restores} range restores in {len(processed)} batches "
-                     f"(after a kill or a task failure only)"),
-        ("output matched", f"{'yes' if output_ok else 'NO'} ({got} rows, expected {expected})"),
-        ("final state matched", "yes" if state_ok else "NO"),
-        ("wall time", f"{elapsed:.1f} s"),
-    ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    print(
-        f"demo job on Spark (local[2], {args.state_backend}, {args.parallelism} ranges): "
-        "file source -> stateful step -> committed Parquet"
+    ranges = f"{args.parallelism} ranges" + (
+        f", {args.rescale} every other run" if args.rescale else ""
     )
-    for k, v in rows:
-        print(f"  {k.ljust(width)}  {v}")
+    print(
+        f"demo job on Spark (local[2], {ranges}): file source -> stateful step -> committed Parquet"
+    )
+    print(f"  input: {2 * args.events} events in {files} files (one per micro-batch)")
+    print(f"  driver runs: {len(runs)}, {killed} killed with SIGKILL, last exit "
+          f"{runs[-1][1] if runs else '?'}; wall time {elapsed:.1f} s")  # fmt: skip
+    results = []
+    for backend in backends:
+        where = backend_dir(data, args, backend)
+        batches = [
+            e
+            for events, _ in runs
+            for e in events
+            if e.get("event") == "batch" and e.get("backend") == backend
+        ]
+        processed = [b for b in batches if not b.get("replayed")]
+        replayed = len(batches) - len(processed)
+        durations = [float(b["batch_ms"]) for b in processed]
+        output_ok, state_ok, got, expected = verify(where, args.events, args.seed)
+        ok = finished and output_ok and state_ok and (killed > 0 or args.kills == 0)
+        ok = ok and replayed >= len(args.crash_after_record)
+        restores = sum(int(b.get("restores", 0)) for b in processed)
+        parallelisms = tuple(sorted({int(b["parallelism"]) for b in processed}))
+        rows = [
+            ("batches", f"{len(processed)} processed (some twice after a kill), "
+                        f"{replayed} found complete and re-delivered"),
+            ("batch duration", f"p50 {percentile(durations, 0.5):.0f} ms, p99 {percentile(durations, 0.99):.0f} ms"),
+            ("restores", f"{restores} range restores in {len(processed)} batches "
+                         f"(after a kill, a task failure or a rescale only)"),
+            ("output matched", f"{'yes' if output_ok else 'NO'} ({got} rows, expected {expected})"),
+            ("final state matched", "yes" if state_ok else "NO"),
+        ]  # fmt: skip
+        width = max(len(k) for k, _ in rows)
+        print(f"  {backend} state store:")
+        for k, v in rows:
+            print(f"    {k.ljust(width)}  {v}")
+        results.append(
+            DemoResult(ok, killed, replayed, restores, output_ok, state_ok, parallelisms)
+        )
     statectl = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "statectl"))
     print("\nThe store is kept; try:")
-    print(f"  {statectl} checkpoints list --store {os.path.relpath(data)}/store")
-    print("\nRESULT: " + ("OK" if ok else "MISMATCH"))
-    return DemoResult(ok, killed, replayed, restores, output_ok, state_ok)
+    store = os.path.join(backend_dir(data, args, backends[0]), "store")
+    print(f"  {statectl} checkpoints list --store {os.path.relpath(store)}")
+    result = DemoResult(
+        all(r.ok for r in results),
+        killed,
+        min(r.replayed for r in results),
+        min(r.restores for r in results),
+        all(r.output_ok for r in results),
+        all(r.state_ok for r in results),
+        tuple(sorted(set.intersection(*(set(r.parallelisms) for r in results)))),
+    )
+    print("\nRESULT: " + ("OK" if result.ok else "MISMATCH"))
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,8 +374,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--events", type=int, default=30_000, help="events per source stream")
     parser.add_argument("--per-batch", type=int, default=3_000, help="events per micro-batch")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--state-backend", choices=["heap", "rocksdb"], default="heap")
+    parser.add_argument(
+        "--state-backend",
+        choices=["heap", "rocksdb"],
+        action="append",
+        help="heap (default) or rocksdb; repeat for one query per store in the same driver",
+    )
     parser.add_argument("--parallelism", type=int, default=2)
+    parser.add_argument(
+        "--rescale", type=int, default=0, help="run every other driver at this parallelism"
+    )
     parser.add_argument("--materialization-interval", type=float, default=5.0)
     parser.add_argument("--kills", type=int, default=3, help="driver runs killed with SIGKILL")
     parser.add_argument("--kill-min-s", type=float, default=4.0)

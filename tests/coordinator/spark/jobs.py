@@ -12,11 +12,11 @@ from typing import Any
 from pyspark import cloudpickle
 
 from backends.serializers import INT64
-from backends.state import ValueStateDescriptor
+from backends.state import ListStateDescriptor, ValueStateDescriptor
 from coordinator.functions import Context, StateAccess
 from tools.bench.spark_processors import CountSum as Counts
 
-__all__ = ["KEYS", "OUTPUT", "Counts", "Sessions", "key_of", "reference"]
+__all__ = ["KEYS", "OUTPUT", "Counts", "Lists", "Sessions", "key_of", "reference"]
 
 KEYS = 37
 OUTPUT = "k string, v long, n long, total long"
@@ -52,6 +52,18 @@ class Sessions:
         ctx.emit((key, 0, self.n.value() or 0, timestamp))
         self.n.clear()
         self.last.clear()
+
+
+class Lists:
+    """Appends every value to its key's list state; emits ``(k, v, len(list), 0)``: a
+    block of changes replayed twice shows as a longer list (values would not show it)."""
+
+    def open(self, state: StateAccess) -> None:
+        self.items = state.get_state(ListStateDescriptor("items", INT64))
+
+    def process(self, key: Any, value: Any, ctx: Context) -> None:
+        self.items.add(value)
+        ctx.emit((key, value, len(self.items.get()), 0))
 
 
 cloudpickle.register_pickle_by_value(__import__(__name__, fromlist=["_"]))

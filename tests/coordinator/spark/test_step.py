@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 from backends.keygroups import key_group_for
 from coordinator.metadata import MetadataStore
 from coordinator.spark import StatefulStep, stateful
-from coordinator.spark.partitioning import with_key_group
+from coordinator.spark.partitioning import partition_values, spark_hash_int, with_key_group
 from coordinator.spark.server import live_servers, stop_servers
 from dstl.errors import MetadataStoreError, SchemaMismatchError, StateBackendError
 from dstl.fileio import FileIO
@@ -134,6 +134,16 @@ def test_key_groups_computed_by_spark_are_ours(spark: SparkSession) -> None:
     df = spark.createDataFrame([(n,) for n in numbers], "n long")
     got = {r["n"]: r["kg"] for r in with_key_group(df, "n", "int64", 4096, "kg").collect()}
     assert got == {n: key_group_for(struct.pack("<q", n), 4096) for n in numbers}
+    # the partition placement: Spark's hash of an int column, computed in Python
+    ints = spark.range(-300, 700).select(F.col("id").cast("int").alias("i"))
+    hashed = ints.select("i", F.hash("i").alias("h")).collect()
+    assert {r["i"]: r["h"] for r in hashed} == {r["i"]: spark_hash_int(r["i"]) for r in hashed}
+    for parallelism in (1, 2, 3, 7, 128):
+        values = partition_values(parallelism)
+        placed = spark.createDataFrame([(v,) for v in values], "v int").select(
+            F.pmod(F.hash("v"), F.lit(parallelism)).alias("p")
+        )
+        assert [r["p"] for r in placed.collect()] == list(range(parallelism))
 
 
 @pytest.mark.parametrize("backend", ["heap", "rocksdb"])
