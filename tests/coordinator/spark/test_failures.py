@@ -7,10 +7,9 @@ recorded (before its output was committed); tasks fail once after their ack and 
 the middle of their input. After every restart the committed output and the final state
 must equal a failure-free run. Each driver run starts a JVM, the slow part: one driver runs
 the job twice, one query per state store (heap and RocksDB, on the same input), and the
-inputs are small so that a run gets killed after a batch or two.
-
-Restarts at another parallelism are in ``test_step``; alternated with kills (the drill's
-``--rescale 3``) they hit the known bug that ``test_host``'s xfail pins."""
+inputs are small so that a run gets killed after a batch or two. Every other driver runs
+at another parallelism (``--rescale 3``): restarts at 2 and 3 ranges alternate with the
+kills and the materializations between them."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ def test_killed_driver_and_failing_tasks(tmp_path: Path) -> None:
             "--state-backend", "heap",
             "--state-backend", "rocksdb",
             "--parallelism", "2",
+            "--rescale", "3",
             "--kills", "3",
             "--kill-min-s", "0",
             "--kill-max-s", "2.0",

@@ -293,12 +293,6 @@ def _materialize(host: StateHost, subtask: int) -> None:
     assert scheduler.poll() is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a handle merged from several old ranges lists a materialization "
-    "and older writers' logs without their key-group scope, so a later restore replays "
-    "changes the materialization already holds (values go back)",
-)
 def test_a_materialization_between_two_rescales_keeps_the_latest_values(tmp_path: Path) -> None:
     configs = {p: make_config(tmp_path, "heap", parallelism=p) for p in (2, 3)}
     host = StateHost(configs[2].store_url, {}, configs[2].job, str(tmp_path / "local"))
