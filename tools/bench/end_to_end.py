@@ -340,7 +340,10 @@ def run_case(
         code = r.finish(timeout=900)
         restart_s = time.monotonic() - started
         revents = r.snapshot()
-        live = _live_bytes(store, facts.get("handles", [])) if facts["checkpoint_id"] else 0
+        # The same state, read from the restored worker's final checkpoint: the killed
+        # run's files may be gone once that checkpoint subsumed them.
+        after = _checkpoint_facts(store)
+        live = _live_bytes(store, after.get("handles", [])) if after["checkpoint_id"] else 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return _summarize(case, pattern, events, revents, facts, live, loaded_at, code, restart_s)
