@@ -104,6 +104,11 @@ class _HeapValueState(_Entries, HeapValue):
             return self._default
         return m.get(self._backend.current_key, self._default)
 
+    def with_default(self, default: Any) -> _HeapValueState:
+        """The same entries, read with ``default`` for an absent value (the store's own
+        write, so a default costs no extra call: :func:`backends.wrappers.wrap`)."""
+        return _HeapValueState(self._backend, self._table, default)
+
 
 class _HeapListState(_Entries, HeapList):
     __slots__ = ()

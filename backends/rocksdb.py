@@ -160,18 +160,27 @@ def decode_state_rows(
 class _RocksValueState:
     """Raw value-like state (value, reducing, aggregating). Task thread only."""
 
-    __slots__ = ("_b", "_db", "_ser", "_sid")
+    __slots__ = ("_b", "_db", "_de", "_default", "_ser", "_sid")
 
-    def __init__(self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer) -> None:
+    def __init__(
+        self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer, default: Any = None
+    ) -> None:
         self._b = backend
         self._db = backend._db
         self._sid = sid
         self._ser = ser
+        self._de = ser.deserialize
+        self._default = default
 
     def value(self) -> Any:
-        b = self._b
+        b, de = self._b, self._de
         data = self._db.get(b._kgb + self._sid + b._kpart)
-        return None if data is None else self._ser.deserialize(data)
+        return self._default if data is None else de(data)
+
+    def with_default(self, default: Any) -> _RocksValueState:
+        """The same rows, read with ``default`` for an absent value (no extra call for
+        the default: :func:`backends.wrappers.wrap`)."""
+        return _RocksValueState(self._b, self._sid, self._ser, default)
 
     def update(self, value: Any) -> None:
         b = self._b
