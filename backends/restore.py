@@ -249,56 +249,104 @@ _FOLDABLE = {
 }
 
 
-def _replay_table(
-    backend: KeyedStateBackend,
-    table: pa.Table,
-    location: str,
-    trusted: bool,
-    states: Collection[str] | None = None,
-) -> None:
-    """Apply one block of changes: META records, then each state's changes.
+FOLD_ROWS = 1 << 22
+"""Value-like changes of one state gathered before they are folded (about 150 MiB of
+log rows): the fold bounds them by the state's key count again."""
 
-    Value-like states fold in Arrow to the last change per key (a set or a clear) and
-    load in bulk, with no Python call per change; list and map states replay change by
-    change. Changes of one state keep their order; states are independent (so leaving
-    out all but ``states`` changes none of them).
+
+class _Replay:
+    """Applies one writer's log, block by block, to ``backend``.
+
+    META records register their state at once; list and map states replay change by
+    change in order. Value-like states (value, reducing, aggregating) whose changes are
+    all sets and clears gather their changes over *blocks* and fold them in Arrow to
+    the last change per key (a set or a clear) before :meth:`finish` loads them in bulk:
+    a key set in every block is decoded and loaded once, not once per block. Changes of
+    one state keep their order; states are independent (so leaving out all but
+    ``states`` changes none of them, and a folded state may load after a list state
+    replayed). Restoring thread only.
     """
-    if states is not None:
-        table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
-    is_meta = pc.equal(table["op"], int(Op.META))
-    if pc.any(is_meta).as_py():
-        metas = table.filter(is_meta)
-        for name, value in zip(metas["state"].to_pylist(), metas["value"].to_pylist(), strict=True):
-            meta = StateMeta.from_json(value)
-            meta = meta if trusted else meta.untrusted()
-            known = backend.state_metas().get(name)
-            if known is not None:
-                known.check_compatible(meta)
+
+    def __init__(
+        self,
+        backend: KeyedStateBackend,
+        location: str,
+        trusted: bool,
+        states: Collection[str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.location = location
+        self.trusted = trusted
+        self.states = states
+        self._pending: dict[str, list[pa.Table]] = {}  # state -> gathered changes
+        self._rows: dict[str, int] = {}
+
+    def add(self, table: pa.Table) -> None:
+        """One block of changes (:data:`dstl.changelog.BLOCK_SCHEMA`), in log order."""
+        backend, location, states = self.backend, self.location, self.states
+        if states is not None:
+            table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
+        is_meta = pc.equal(table["op"], int(Op.META))
+        if pc.any(is_meta).as_py():
+            metas = table.filter(is_meta)
+            for name, value in zip(
+                metas["state"].to_pylist(), metas["value"].to_pylist(), strict=True
+            ):
+                meta = StateMeta.from_json(value)
+                meta = meta if self.trusted else meta.untrusted()
+                known = backend.state_metas().get(name)
+                if known is not None:
+                    known.check_compatible(meta)
+                else:
+                    backend.register_restored(meta)
+            table = table.filter(pc.invert(is_meta))
+        if table.num_rows == 0:
+            return
+        names = pc.unique(table["state"]).to_pylist()
+        for name in names:
+            part = table if len(names) == 1 else table.filter(pc.equal(table["state"], name))
+            declared = backend.state_metas().get(name)
+            if declared is None:
+                raise CorruptionError(f"change of undeclared state {name!r}", location)
+            set_op = _FOLDABLE.get(declared.kind)
+            ops = set(pc.unique(part["op"]).to_pylist())
+            if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
+                self._gather(name, part.select(["key_group", "key", "op", "value"]))
             else:
-                backend.register_restored(meta)
-        table = table.filter(pc.invert(is_meta))
-    if table.num_rows == 0:
-        return
-    names = pc.unique(table["state"]).to_pylist()
-    for name in names:
-        part = table if len(names) == 1 else table.filter(pc.equal(table["state"], name))
-        declared = backend.state_metas().get(name)
-        if declared is None:
-            raise CorruptionError(f"change of undeclared state {name!r}", location)
-        set_op = _FOLDABLE.get(declared.kind)
-        ops = set(pc.unique(part["op"]).to_pylist())
-        if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
-            _replay_values(backend, declared, part)
-        else:
-            _replay_rows(backend, declared, part, location)
+                self._fold(name)  # whatever was gathered first (this raises as corrupt)
+                _replay_rows(backend, declared, part, location)
+
+    def _gather(self, name: str, part: pa.Table) -> None:
+        self._pending.setdefault(name, []).append(part)
+        self._rows[name] = self._rows.get(name, 0) + part.num_rows
+        if self._rows[name] >= FOLD_ROWS:
+            folded = _last_per_key(pa.concat_tables(self._pending[name]))
+            self._pending[name] = [folded]
+            self._rows[name] = folded.num_rows
+
+    def _fold(self, name: str) -> None:
+        parts = self._pending.pop(name, None)
+        self._rows.pop(name, None)
+        if parts:
+            meta = self.backend.state_metas()[name]
+            _load_values(self.backend, meta, _last_per_key(pa.concat_tables(parts)))
+
+    def finish(self) -> None:
+        """Load every gathered state (its last change per key)."""
+        for name in list(self._pending):
+            self._fold(name)
 
 
-def _replay_values(backend: KeyedStateBackend, meta: StateMeta, part: pa.Table) -> None:
-    """Fold value-like changes to the last one per key, then set or clear in bulk."""
+def _last_per_key(part: pa.Table) -> pa.Table:
+    """The last row per (key group, key) of ``part``, in no particular order."""
     n = part.num_rows
     part = part.append_column("__row", pc.subtract(pc.cumulative_sum(pa.repeat(1, n)), 1))
     last = part.group_by(["key_group", "key"], use_threads=False).aggregate([("__row", "max")])
-    rows = part.take(last["__row_max"])
+    return part.take(last["__row_max"]).drop_columns(["__row"])
+
+
+def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) -> None:
+    """Set or clear, in bulk, the folded value-like changes ``rows`` (one per key)."""
     cleared = pc.equal(rows["op"], int(Op.CLEAR))
     key_ser = backend.key_serializer
     if pc.any(cleared).as_py():
@@ -407,9 +455,11 @@ def restore_into(
             by_writer.setdefault(c.writer_id, []).append(c)
         changes = 0
         for writer_id, logs in by_writer.items():
+            replay = _Replay(backend, logs[0].location, trusted, states)
             for table in read_changes(fileio, logs, h.replay_from(writer_id), (rng.start, rng.end)):
                 changes += table.num_rows
-                _replay_table(backend, table, logs[0].location, trusted, states)
+                replay.add(table)
+            replay.finish()
         log.info(
             "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f",
             h.backend_id,
