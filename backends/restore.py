@@ -361,6 +361,15 @@ def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) ->
         rows = rows.filter(pc.invert(cleared))
     if rows.num_rows == 0:
         return
+    load_serialized = getattr(backend, "load_serialized_values", None)
+    if load_serialized is not None:  # a store of bytes (RocksDB) takes the log's bytes
+        load_serialized(
+            meta,
+            rows["key_group"].combine_chunks(),
+            rows["key"].combine_chunks(),
+            rows["value"].combine_chunks(),
+        )
+        return
     rows = rows.take(pc.sort_indices(rows["key_group"]))
     groups = pc.run_end_encode(rows["key_group"].combine_chunks())
     keys = decode_column(key_ser, rows["key"])

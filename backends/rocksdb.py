@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import rocksdict
 
 from backends.backend import wall_clock_ms
@@ -582,6 +584,32 @@ class RocksDBKeyedStateBackend:
                     wb.put(row, pack_list([vser.serialize(e) for e in value]))
             else:
                 wb.put(row, vser.serialize(value))
+        self._write(wb)
+
+    def load_serialized_values(
+        self, meta: StateMeta, key_groups: pa.Array, keys: pa.Array, values: pa.Array
+    ) -> None:
+        """Bulk-insert value-like entries given as serialized bytes (the log's ``key``
+        and ``value`` columns: the bytes this store keeps), one write batch. The rows
+        are built in Arrow; the key groups must be this backend's (the caller filtered
+        them). No Python call per entry beyond the batch's ``put``."""
+        sid = self._register(meta).to_bytes(2, "big")
+        prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
+        lengths = pc.binary_length(keys)
+        low, high = pc.min_max(lengths).values()
+        if low.as_py() is None:
+            return
+        if low.as_py() == high.as_py():  # fixed-width keys: one length prefix for all
+            framed = pc.binary_join_element_wise(
+                prefixes.take(key_groups), _LEN.pack(low.as_py()), keys, b""
+            )
+        else:
+            lens = pa.array([_LEN.pack(n) for n in lengths.to_pylist()], pa.binary())
+            framed = pc.binary_join_element_wise(prefixes.take(key_groups), lens, keys, b"")
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        put = wb.put
+        for row, value in zip(framed.to_pylist(), values.to_pylist(), strict=True):
+            put(row, value)
         self._write(wb)
 
     def _write(self, wb: rocksdict.WriteBatch) -> None:
