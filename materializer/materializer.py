@@ -42,12 +42,10 @@ never be applied (see :meth:`discard`) deletes its new files, never shared ones.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import posixpath
-import sys
 import threading
 import time
 import uuid
@@ -63,6 +61,7 @@ from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
+from dstl.gil import short_gil_slices
 from dstl.integrity import content_hash
 from dstl.upload import Uploader
 from materializer.errors import MaterializationError
@@ -72,41 +71,6 @@ log = logging.getLogger(__name__)
 _READ_CHUNK = 1 << 20
 _WRITERS = 4  # concurrent file writes of one materialization
 _IN_FLIGHT = 16  # files encoded and not yet written, at most
-
-GIL_SLICE_S = 0.001
-"""The interpreter's switch interval while a materialization uploads (default 5 ms).
-
-The upload thread gives the GIL up at every Arrow call, hash and file write, and a task
-thread running Python keeps it for a whole switch interval before it hands it back:
-measured on a 1M-key heap snapshot (2 states) against a busy Python thread, 0.9 s of
-CPU took 10-15 s of wall time at 5 ms. In the end-to-end worker (1M keys, 65536-row
-pieces), one materialization took 3.5-5 s at 5 ms, 2-2.8 s at 2 ms, 1.6-1.9 s at 1 ms,
-1.2-1.8 s at 0.5 ms; the task's throughput while it ran fell with the interval (the
-GIL the upload thread holds is taken from the task), so 1 ms: the shortest that keeps
-a materialization of 1M keys under 2 s."""
-
-_slices_lock = threading.Lock()
-_slices_users = 0
-_slices_saved = 0.0
-
-
-@contextlib.contextmanager
-def short_gil_slices() -> Iterator[None]:
-    """Run the body with the switch interval at most :data:`GIL_SLICE_S` (process-wide,
-    so counted: the last of concurrent users puts the previous interval back)."""
-    global _slices_users, _slices_saved
-    with _slices_lock:
-        if _slices_users == 0:
-            _slices_saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(_slices_saved, GIL_SLICE_S))
-        _slices_users += 1
-    try:
-        yield
-    finally:
-        with _slices_lock:
-            _slices_users -= 1
-            if _slices_users == 0:
-                sys.setswitchinterval(_slices_saved)
 
 
 class MaterializationSource(Protocol):

@@ -262,19 +262,3 @@ def test_a_file_shared_by_unreferenced_bases_is_released_with_the_last(tmp_path:
     assert all(store.exists(store.relative(f)) for f in third.handle.files())  # type: ignore[attr-defined]
     sched.close()  # the last base: referenced by nothing either
     assert [f for f in third.handle.files() if store.exists(store.relative(f))] == []  # type: ignore[attr-defined]
-
-
-def test_short_gil_slices_are_counted_and_restored() -> None:
-    """The switch interval is lowered while any materialization uploads and put back by
-    the last one (process-wide, so nested and concurrent uses share it)."""
-    import sys
-
-    from materializer.materializer import GIL_SLICE_S, short_gil_slices
-
-    before = sys.getswitchinterval()
-    with short_gil_slices():
-        assert sys.getswitchinterval() == pytest.approx(min(before, GIL_SLICE_S))
-        with short_gil_slices():
-            pass
-        assert sys.getswitchinterval() == pytest.approx(min(before, GIL_SLICE_S))
-    assert sys.getswitchinterval() == before
