@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -143,22 +144,7 @@ def _decode_rocksdb_sst(
     try:
         db_dir = os.path.join(tmp, "db")
         os.makedirs(db_dir)
-        metadata: bytes | None = None
-        for f in handle.state_files:
-            data = read_verified(fileio, f.file_refs()[0])
-            name = _file_name(f.location, f.name)
-            if name == META_FILE:
-                metadata = data
-            else:
-                with open(os.path.join(db_dir, name), "wb") as fh:
-                    fh.write(data)
-        if metadata is None:
-            raise CorruptionError(
-                f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
-                handle.state_files[0].location if handle.state_files else None,
-            )
-        key_ser, _max_par, metas = decode_metadata(metadata, handle.writer_id)
-        _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
+        metas = _download_rocksdb(backend, fileio, handle, db_dir)
         rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in metas}
         try:
             db = open_raw_db(db_dir)
@@ -195,6 +181,68 @@ def _decode_rocksdb_sst(
         scratch.release()
 
 
+def _download_rocksdb(
+    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, db_dir: str
+) -> dict[int, StateMeta]:
+    """Write the files of ``handle`` (each checked against its content hash) into
+    ``db_dir``; the state metas by id (the key serializer checked against ``backend``)."""
+    metadata: bytes | None = None
+    for f in handle.state_files:
+        data = read_verified(fileio, f.file_refs()[0])
+        name = _file_name(f.location, f.name)
+        if name == META_FILE:
+            metadata = data
+        else:
+            with open(os.path.join(db_dir, name), "wb") as fh:
+                fh.write(data)
+    if metadata is None:
+        raise CorruptionError(
+            f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
+            handle.state_files[0].location if handle.state_files else None,
+        )
+    key_ser, _max_par, metas = decode_metadata(metadata, handle.writer_id)
+    _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
+    return metas
+
+
+def _adopt_rocksdb(
+    backend: KeyedStateBackend,
+    fileio: FileIO,
+    handle: MaterializationHandle,
+    trusted: bool,
+    states: Collection[str] | None,
+) -> bool:
+    """Restore a RocksDB materialization into a RocksDB store by making its files the
+    store's database (no row is read: restore at the speed of the download). Only into
+    a store still empty (:meth:`~backends.rocksdb.RocksDBKeyedStateBackend.can_adopt`),
+    of a materialization whose key groups all belong to the store (no rescale that
+    splits it), all states, trusted, and no TTL state (a row-by-row load drops expired
+    entries). False: not adopted, nothing changed; load it row by row."""
+    can_adopt = getattr(backend, "can_adopt", None)
+    rng = backend.key_group_range
+    if (
+        can_adopt is None
+        or not trusted
+        or states is not None
+        or not rng.start <= handle.key_group_start <= handle.key_group_end <= rng.end
+        or not can_adopt()
+    ):
+        return False
+    staging = backend.staging_dir()  # type: ignore[attr-defined]
+    try:
+        db_dir = os.path.join(staging, "db")
+        os.makedirs(db_dir)
+        metas = _download_rocksdb(backend, fileio, handle, db_dir)
+        if any(m.ttl is not None for m in metas.values()):
+            return False
+        backend.adopt(db_dir, metas)  # type: ignore[attr-defined]
+        return True
+    except OSError as exc:  # the local staging directory: a full disk is no corruption
+        raise LocalStoreError(f"cannot unpack RocksDB files locally ({exc})") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 _DECODERS: dict[
     str,
     Callable[
@@ -222,6 +270,8 @@ def _load_materialization(
     decoder = _DECODERS.get(handle.kind)
     if decoder is None:
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
+    if handle.kind == "rocksdb-sst" and _adopt_rocksdb(backend, fileio, handle, trusted, states):
+        return
     decoded = decoder(backend, fileio, handle, key_groups, trusted, states)
     now = backend.clock()
     for meta, runs in decoded:

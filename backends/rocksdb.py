@@ -702,6 +702,36 @@ class RocksDBKeyedStateBackend:
             self._write(wb)
         return deleted
 
+    # -- adopting a materialized database (restore at the speed of the disk) ------------
+    def can_adopt(self) -> bool:
+        """Whether :meth:`adopt` may replace the database: no state was declared,
+        restored or asked for yet (so there is no row and no state object)."""
+        return not self._closed and not self._metas and not self._raw and not self._states
+
+    def staging_dir(self) -> str:
+        """A fresh directory inside this store's (same file system: :meth:`adopt` renames)."""
+        self._check_open()
+        return tempfile.mkdtemp(prefix="adopt-", dir=self.path)
+
+    def adopt(self, db_dir: str, metas: dict[int, StateMeta]) -> None:
+        """Make the RocksDB files in ``db_dir`` this store's database, with states
+        ``metas`` (state id -> meta, ids ``0..n-1``), instead of loading its rows one by
+        one. Only while :meth:`can_adopt`; the caller checked the files (their content
+        hashes), the key serializer and that every row is in this store's key groups.
+        The store is unusable if this raises (a restore then fails as a whole)."""
+        if not self.can_adopt():
+            raise LocalStoreError("a RocksDB store adopts a database only while empty")
+        if sorted(metas) != list(range(len(metas))):
+            raise CorruptionError(f"state ids {sorted(metas)} are not 0..n-1", db_dir)
+        live = os.path.join(self.path, "db")
+        self._db.close()
+        shutil.rmtree(live)
+        os.rename(db_dir, live)
+        self._db = open_raw_db(live)
+        for sid, meta in metas.items():
+            self._metas[meta.name] = meta
+            self._ids[meta.name] = sid
+
     def _check_open(self) -> None:
         if self._closed:
             raise LocalStoreError(f"RocksDB backend at {self.path} is closed")
