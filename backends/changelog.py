@@ -140,8 +140,9 @@ class _LoggedValueState(_Logged):
             self.flush()
 
     def with_default(self, default: Any) -> Any:
-        """This state read with ``default`` for an absent value: the inner store's own
-        defaulted read, and this state's logged writes (same buffer, same order)."""
+        """This state read with ``default`` for an absent (or None) value: the inner
+        store's own defaulted read and this state's logged writes (same buffer, same
+        order); None if the inner store has no defaulted read."""
         inner_with = getattr(self._inner, "with_default", None)
         if inner_with is None:
             return None

@@ -177,7 +177,8 @@ class _RocksValueState:
     def value(self) -> Any:
         b, de = self._b, self._de
         data = self._db.get(b._kgb + self._sid + b._kpart)
-        return self._default if data is None else de(data)
+        v = None if data is None else de(data)
+        return self._default if v is None else v
 
     def with_default(self, default: Any) -> _RocksValueState:
         """The same rows, read with ``default`` for an absent value (no extra call for

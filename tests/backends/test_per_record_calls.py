@@ -73,3 +73,16 @@ def test_a_defaulted_state_logs_its_writes(factory: Factory, store_kind: str) ->
     assert fresh.get_state(ValueStateDescriptor("counted", INT64, default=0)).value() == 2
     fresh.set_current_key("z")
     assert fresh.get_state(ValueStateDescriptor("counted", INT64, default=0)).value() == 0
+
+
+def test_a_stored_none_reads_as_the_default(factory: Factory, store_kind: str) -> None:
+    """As with the wrapper it replaces: a value that is None reads as the default."""
+    from backends.serializers import PICKLE
+
+    for b in (factory.store(store_kind), factory.logged(store_kind)):
+        s = b.get_state(ValueStateDescriptor("p", PICKLE, default="d"))
+        b.set_current_key("k")
+        s.update(None)
+        assert s.value() == "d"
+        s.update("x")
+        assert s.value() == "x"
