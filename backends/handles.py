@@ -177,9 +177,44 @@ class KeyedStateHandle:
         """The key groups this state covers."""
         return KeyGroupRange(self.key_group_start, self.key_group_end)
 
+    def replay_segments(
+        self, writer_id: str, key_groups: KeyGroupRange | None = None
+    ) -> list[tuple[int, int, int]]:
+        """``key_groups`` (default: the state's) cut by the materializations that hold
+        them: ``(start, end, from_sqn)`` per run of key groups, ``from_sqn`` the first sqn
+        of ``writer_id``'s log that the materialization holding them does not hold (0
+        where none does); adjacent runs with the same ``from_sqn`` are one.
+
+        A materialization covers only its own key groups. A state restored from several
+        old ranges (a rescale that merged them) lists several, each covering the writers
+        of its own old range, beside logs that span them all: one writer's log may be
+        held by the materialization of some key groups and not of others. Pure.
+        """
+        rng = key_groups or self.key_group_range
+        runs: list[tuple[int, int, int]] = []
+        pos = rng.start
+        for m in sorted(self.materialized, key=lambda m: m.key_group_start):
+            start, end = max(m.key_group_start, pos), min(m.key_group_end, rng.end)
+            if start >= end:
+                continue
+            if start > pos:
+                runs.append((pos, start, 0))
+            runs.append((start, end, m.covered_sqn(writer_id)))
+            pos = end
+        if pos < rng.end:
+            runs.append((pos, rng.end, 0))
+        merged: list[tuple[int, int, int]] = []
+        for run in runs:
+            if merged and merged[-1][1] == run[0] and merged[-1][2] == run[2]:
+                merged[-1] = (merged[-1][0], run[1], run[2])
+            else:
+                merged.append(run)
+        return merged
+
     def replay_from(self, writer_id: str) -> int:
-        """The first sqn of ``writer_id``'s log not covered by a materialization."""
-        return max((m.covered_sqn(writer_id) for m in self.materialized), default=0)
+        """The first sqn of ``writer_id``'s log that some key group of the state still
+        needs: the lowest ``from_sqn`` of :meth:`replay_segments`."""
+        return min((s for _, _, s in self.replay_segments(writer_id)), default=0)
 
     def coverage(self) -> dict[str, int]:
         """How far the state reaches in each writer's log: writer -> the first sqn it does

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -30,7 +30,7 @@ from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import Runs, parquet_to_table, table_entries, table_meta
 from backends.wrappers import alive
-from dstl.changelog import read_changes
+from dstl.changelog import META_KEY_GROUP, read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
@@ -515,7 +515,7 @@ def restore_into(
         changes = 0
         for writer_id, logs in by_writer.items():
             replay = _Replay(backend, logs[0].location, trusted, states)
-            for table in read_changes(fileio, logs, h.replay_from(writer_id), (rng.start, rng.end)):
+            for table in _uncovered_changes(fileio, h, writer_id, logs, rng):
                 changes += table.num_rows
                 replay.add(table)
             replay.finish()
@@ -528,6 +528,33 @@ def restore_into(
             changes,
             (time.perf_counter() - loaded) * 1e3,
         )
+
+
+def _uncovered_changes(
+    fileio: FileIO,
+    handle: KeyedStateHandle,
+    writer_id: str,
+    logs: Sequence[ChangelogHandle],
+    rng: KeyGroupRange,
+) -> Iterator[pa.Table]:
+    """The changes of ``writer_id``'s ``logs`` in ``rng`` that no materialization of
+    ``handle`` holds: each key group's from the sqn its own materialization covers
+    (:meth:`~backends.handles.KeyedStateHandle.replay_segments`). One read; where the
+    key groups' coverage differs (a state merged from several old ranges), one Arrow
+    filter per block."""
+    runs = handle.replay_segments(writer_id, rng)
+    lowest = min((s for _, _, s in runs), default=0)
+    tables = read_changes(fileio, logs, lowest, (rng.start, rng.end))
+    if len(runs) <= 1:
+        yield from tables
+        return
+    for table in tables:
+        kg, sqn = table["key_group"], table["sqn"]
+        keep = pc.equal(kg, META_KEY_GROUP)
+        for start, end, from_sqn in runs:
+            in_run = pc.and_(pc.greater_equal(kg, start), pc.less(kg, end))
+            keep = pc.or_(keep, pc.and_(in_run, pc.greater_equal(sqn, from_sqn)))
+        yield table.filter(keep)
 
 
 def _intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
 import fsspec
@@ -214,6 +214,14 @@ class FileIO:
         with _translated(self.url(path)):
             data: bytes = self._fs.cat_file(self._abs(path))
             return data
+
+    def open_read(self, path: str) -> BinaryIO:
+        """``path`` opened for streaming reads (seekable; the caller closes it), for inputs
+        too large to hold in memory; :class:`StorageNotFoundError` if it does not exist.
+        Errors while reading from the returned file are not translated."""
+        with _translated(self.url(path)):
+            stream: BinaryIO = self._fs.open(self._abs(path), "rb")
+            return stream
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """``length`` bytes of ``path`` from ``offset``; short reads are an error."""

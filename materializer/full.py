@@ -35,6 +35,8 @@ from backends.snapshot import MaterializationSnapshot
 from backends.state import StateDescriptor, StateMeta
 from dstl import layout
 from dstl.fileio import FileIO
+from dstl.handles import ChangelogHandle
+from dstl.upload import Uploader
 from materializer.materializer import (
     MaterializationResult,
     MaterializationStats,
@@ -66,11 +68,17 @@ class FullSnapshotCheckpointer:
         clock: Callable[[], float] = time.monotonic,
         options: MaterializerOptions | None = None,
         executor: Executor | None = None,
+        uploader: Uploader | None = None,
     ) -> None:
         self.inner = backend
         self._backend_id = layout.check_name("backend", backend_id)
         self.base: tuple[MaterializationHandle, ...] = ()
-        self.materializer = Materializer(self, fileio, job, operator, subtask, clock, options)
+        self.restored_log: tuple[ChangelogHandle, ...] = ()  # a full snapshot has no log
+        # ``uploader``: a worker's shared one (its owner closes it), else the
+        # materializer makes and closes its own
+        self.materializer = Materializer(
+            self, fileio, job, operator, subtask, clock, options, uploader=uploader
+        )
         self._owned = executor is None
         self._executor: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix=f"checkpoint-{backend_id}"

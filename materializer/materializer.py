@@ -54,7 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.handles import MaterializationHandle, StateFileHandle, file_id_of
+from backends.handles import MaterializationHandle, StateFileHandle, extent, file_id_of
 from backends.heap import StateSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
@@ -62,6 +62,7 @@ from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
 from dstl.gil import short_gil_slices
+from dstl.handles import ChangelogHandle
 from dstl.integrity import content_hash
 from dstl.upload import Uploader
 from materializer.errors import MaterializationError
@@ -87,6 +88,12 @@ class MaterializationSource(Protocol):
     @property
     def base(self) -> tuple[MaterializationHandle, ...]:
         """The materializations current checkpoints reference (the only shareable files)."""
+        ...
+
+    @property
+    def restored_log(self) -> tuple[ChangelogHandle, ...]:
+        """Other writers' log blocks the state holds beyond :attr:`base` (restored and
+        not yet materialized); a snapshot holds their changes of its key groups."""
         ...
 
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
@@ -162,6 +169,7 @@ class MaterializationResult:
 class _Pending:
     shareable: dict[tuple[str, str], StateFileHandle]
     sync_duration_s: float
+    covers: tuple[tuple[str, int], ...]
 
 
 def share_key(name: str, file_id: str) -> tuple[str, str]:
@@ -179,6 +187,17 @@ def shareable_files(
         for m in base
         for f in m.state_files
     }
+
+
+def restored_coverage(source: MaterializationSource) -> tuple[tuple[str, int], ...]:
+    """The other writers whose changes a snapshot of ``source`` holds, each with the first
+    sqn it does not (its :attr:`~MaterializationSource.base` and restored log): the
+    ``covers`` of its materialization. Without them, a later state that lists this
+    materialization beside those writers' logs (a rescale that merged ranges) would
+    replay their changes over it, and older values would win."""
+    reach = extent(source.base, source.restored_log)
+    reach.pop(source.backend_id, None)
+    return tuple(sorted(reach.items()))
 
 
 class Materializer:
@@ -225,9 +244,10 @@ class Materializer:
         mat_id = self._next_id
         self._next_id += 1
         shareable = shareable_files(self.backend.base)
+        covers = restored_coverage(self.backend)
         snap = self.backend.snapshot_for_materialization()
         with self._lock:
-            self._pending[mat_id] = _Pending(shareable, self._clock() - started)
+            self._pending[mat_id] = _Pending(shareable, self._clock() - started, covers)
         return mat_id, snap
 
     def upload(self, mat_id: int, snapshot: MaterializationSnapshot) -> MaterializationHandle:
@@ -321,6 +341,7 @@ class Materializer:
             kind=snapshot.kind,
             state_files=tuple(files),
             materialization_id=mat_id,
+            covers=pending.covers if pending is not None else (),
         )
         stats = MaterializationStats(
             duration_s=self._clock() - started,

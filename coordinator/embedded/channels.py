@@ -13,7 +13,10 @@ order:
   order each channel's one sender put them. Bounded in *records* (not items): a sender
   blocks while the records queued reach :attr:`Inbox.capacity`, which the receiver
   lowers or raises to hold about ``target`` seconds of its measured throughput (buffer
-  debloating, FLIP-183), so an aligned barrier never queues behind more than that.
+  debloating, FLIP-183), so an aligned barrier queues behind about that much, plus at
+  most one batch (a quarter of the capacity) per sender: a put is admitted while the
+  records queued are below the capacity. That holds per hop; a job's barrier crosses
+  every hop, so its checkpoint waits about ``target`` times the hops.
 
 Every data item except a barrier counts as one in its channel's sequence (``sent`` on
 the sender side, ``consumed`` on the receiver side); a sender that flushes to several
@@ -110,6 +113,9 @@ class Inbox:
         self._max_items = max_items
         self.capacity = max(1, capacity)
         self.puts = 0  # data items ever put: a capturing gate rescans when it changed
+        # (checkpoint id, channel) -> records queued ahead of that in-band barrier when it
+        # was put: what it waits behind (popped by the receiver when it arrives)
+        self._ahead: dict[tuple[int, int], int] = {}
         # Per channel: items reserved by its one sender thread (only that thread writes
         # its slot, and reads it when it sends a priority barrier).
         self._sent = [0] * channels
@@ -153,6 +159,8 @@ class Inbox:
                     self._lock.acquire()
             if self._closed:
                 return
+            if isinstance(element, Barrier):
+                self._ahead[(element.checkpoint_id, channel)] = self._records
             self._data.append((channel, element, weight))
             self._records += weight
             self.puts += 1
@@ -203,6 +211,12 @@ class Inbox:
                 self._not_full.notify_all()
                 return Lane.DATA, (channel, element)
             return None
+
+    def records_ahead(self, barrier: Barrier, channel: int) -> int:
+        """Records that were queued ahead of in-band ``barrier`` of ``channel`` when it was
+        put (receiver, once it took the barrier; 0 if unknown)."""
+        with self._lock:
+            return self._ahead.pop((barrier.checkpoint_id, channel), 0)
 
     def poll_priority(self) -> tuple[int, Barrier, int] | None:
         """The next priority barrier if one is queued (receiver, while it cannot take data)."""

@@ -141,7 +141,7 @@ class KeyedOperator:
             restore_changelog_backend(self.backend, fileio, handles)
         else:  # restores changelog and full checkpoints alike
             self.backend = self.full = FullSnapshotCheckpointer(
-                inner, fileio, job_id, node.name, subtask, backend_id, clock
+                inner, fileio, job_id, node.name, subtask, backend_id, clock, uploader=uploader
             )
             restore_full_backend(self.full, fileio, handles)
         self.materializer = (

@@ -35,7 +35,7 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -171,16 +171,58 @@ class IteratorSource:
 
 FORMATS = ("jsonl", "csv", "parquet")
 
+_PARQUET_BATCH = 1_024  # rows decoded at a time: memory is one batch, not the file
 
-def _parse(data: bytes, fmt: str, url: str) -> list[Any]:
-    try:
-        if fmt == "jsonl":
-            return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-        if fmt == "csv":
-            return list(csv.DictReader(io.StringIO(data.decode(), newline="")))
-        return pq.read_table(pa.BufferReader(data)).to_pylist()
-    except (ValueError, UnicodeDecodeError, pa.ArrowException) as exc:
-        raise CorruptionError(f"unreadable {fmt} input: {exc}", url) from exc
+
+def _jsonl_records(stream: BinaryIO, skip: int) -> Iterator[Any]:
+    """The non-blank lines of ``stream`` as JSON values, after the first ``skip`` of them
+    (skipped lines are not parsed)."""
+    n = 0
+    for line in stream:
+        if not line.strip():
+            continue
+        n += 1
+        if n > skip:
+            yield json.loads(line)
+
+
+def _csv_records(stream: BinaryIO, skip: int) -> Iterator[Any]:
+    """The rows of a CSV with a header, a dict of strings each, after the first ``skip``.
+
+    Rows go through :mod:`csv` over a text wrapper, a line at a time: pyarrow's CSV reader
+    would infer column types, and a record's values must not change with the reader (a
+    restore replays the same records; the previous whole-file reader gave strings)."""
+    rows = csv.DictReader(io.TextIOWrapper(stream, encoding="utf-8", newline=""))
+    yield from islice(rows, skip, None)
+
+
+def _parquet_records(stream: BinaryIO, skip: int) -> Iterator[Any]:
+    """The rows of a Parquet file as dicts, after the first ``skip``: whole row groups
+    before it are not read, then batches of :data:`_PARQUET_BATCH` rows are decoded."""
+    pf = pq.ParquetFile(stream)
+    groups: list[int] = []
+    for g in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        if skip >= rows and not groups:
+            skip -= rows
+            continue
+        groups.append(g)
+    if not groups:
+        return
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, row_groups=groups):
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        if skip:
+            batch, skip = batch.slice(skip), 0
+        yield from batch.to_pylist()
+
+
+_RECORDS: dict[str, Callable[[BinaryIO, int], Iterator[Any]]] = {
+    "jsonl": _jsonl_records,
+    "csv": _csv_records,
+    "parquet": _parquet_records,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +266,8 @@ class FileSource:
 
 
 class _FileReader:
-    """Reads the files of one subtask in order. Task thread only."""
+    """Streams the files of one subtask in order: one file open at a time, parsed
+    lazily, so memory is a batch, not a file. Task thread only."""
 
     def __init__(
         self, source: FileSource, fileio: FileIO, files: list[str], offsets: dict[str, int]
@@ -234,26 +277,36 @@ class _FileReader:
         self._files = files
         self._offsets = offsets
         self._index = 0
-        self._records: list[Any] | None = None
+        self._stream: BinaryIO | None = None
+        self._records: Iterator[Any] | None = None
 
     def read(self, max_records: int) -> list[Any] | None:
         while self._index < len(self._files):
             path = self._files[self._index]
-            if self._records is None:
-                fmt = self._source._format_of(path) or "jsonl"
-                data = self._fileio.read(self._fileio.relative(path))
-                self._records = _parse(data, fmt, self._fileio.url(path))
-            start = self._offsets[path]
-            batch = self._records[start : start + max_records]
+            fmt = self._source._format_of(path) or "jsonl"
+            url = self._fileio.url(path)
+            try:
+                if self._records is None:
+                    self._stream = self._fileio.open_read(self._fileio.relative(path))
+                    self._records = _RECORDS[fmt](self._stream, self._offsets[path])
+                batch = list(islice(self._records, max_records))
+            except (ValueError, UnicodeDecodeError, csv.Error, pa.ArrowException) as exc:
+                raise CorruptionError(f"unreadable {fmt} input: {exc}", url) from exc
             if batch:
-                self._offsets[path] = start + len(batch)
+                self._offsets[path] += len(batch)
                 return batch
             self._index += 1
-            self._records = None
+            self._close_file()
         return None
 
     def position(self) -> dict[str, int]:
         return {f: n for f, n in self._offsets.items() if n}
 
-    def close(self) -> None:
+    def _close_file(self) -> None:
         self._records = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        self._close_file()

@@ -159,3 +159,23 @@ def _kg(key: str) -> int:
     from backends.serializers import STR
 
     return key_group_for(STR.serialize(key), MAX_PAR)
+
+
+def test_replay_segments_follow_each_materializations_own_key_groups() -> None:
+    # A state merged from two old ranges: [0, 16) rests on a materialization that holds
+    # w0's log up to 30, [16, 40) on none, [40, 64) on one that holds w0's log up to 10.
+    merged = KeyedStateHandle(
+        "w9",
+        0,
+        64,
+        "str",
+        MAX_PAR,
+        (_mat("w1", 5, (("w0", 30),), kg=(0, 16)), _mat("w2", 8, (("w0", 10),), kg=(40, 64))),
+    )
+    assert merged.replay_segments("w0") == [(0, 16, 30), (16, 40, 0), (40, 64, 10)]
+    assert merged.replay_segments("w1") == [(0, 16, 5), (16, 64, 0)]
+    assert merged.replay_segments("w0", KeyGroupRange(8, 20)) == [(8, 16, 30), (16, 20, 0)]
+    assert merged.replay_from("w0") == 0  # some key group needs all of w0's log
+    whole = KeyedStateHandle("w9", 0, 64, "str", MAX_PAR, (_mat("w1", 5, (("w0", 30),)),))
+    assert whole.replay_segments("w0") == [(0, 64, 30)]
+    assert whole.replay_from("w0") == 30

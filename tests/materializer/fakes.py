@@ -16,6 +16,7 @@ from backends.snapshot import SnapshotFile
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
 from dstl.errors import StorageError, UnknownOutcomeError
 from dstl.fileio import FileIO
+from dstl.handles import ChangelogHandle
 
 
 class ManualExecutor(Executor):
@@ -71,6 +72,7 @@ class LocalFilesBackend:
         self.directory = directory
         self.backend_id = backend_id
         self.base: tuple[MaterializationHandle, ...] = ()
+        self.restored_log: tuple[ChangelogHandle, ...] = ()
         self.live: list[str] = []
         self.sqn = 0
         self.changed = True

@@ -21,6 +21,7 @@ from backends import (
 from backends.serializers import INT64, STR
 from coordinator.metadata import MetadataStore
 from dstl import ChangelogStorage, FileIO
+from dstl.upload import Uploader
 from materializer import (
     FullSnapshotCheckpointer,
     MaterializationError,
@@ -156,3 +157,33 @@ def test_switch_changelog_on_to_off_and_back(storage: tuple[FileIO, ChangelogSto
     assert m.last_stats is not None and m.last_stats.files_shared > 0
     cp5 = b2.checkpoint(5).result()
     assert _restore(fileio, cp5) == _state(b2.inner)
+
+
+def test_a_given_uploader_carries_the_files_and_stays_open(tmp_path: Path) -> None:
+    # the embedded runtime shares one uploader per worker (retries, hedging, byte budget)
+    fileio = FileIO(str(tmp_path / "store"))
+
+    class Shared(Uploader):
+        def __init__(self) -> None:
+            super().__init__(fileio, name="worker")
+            self.paths: list[str] = []
+            self.closed = False
+
+        def upload(self, path: str, data: bytes | memoryview) -> str:
+            self.paths.append(path)
+            return super().upload(path, data)
+
+        def close(self) -> None:
+            self.closed = True
+            super().close()
+
+    shared = Shared()
+    with FullSnapshotCheckpointer(
+        _heap(), fileio, JOB, "op", 0, "op-0-a0", options=OPTS, uploader=shared
+    ) as full:
+        _mutate(full, 0, 500)
+        handle = full.checkpoint(1).result()
+        assert full.materializer.uploader is shared
+    assert len(shared.paths) == len(handle.files()) > 0
+    assert not shared.closed  # its owner closes it, after every task
+    shared.close()

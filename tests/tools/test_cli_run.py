@@ -110,9 +110,16 @@ def test_a_signal_stops_cleanly_with_a_final_checkpoint_and_a_rerun_resumes(
     # the final checkpoint committed everything read: every emitted record is printed
     assert sorted(r[1] for r in records) == list(range(emitted))
     again = _stop_after_output(jobs_dir, store, signum)
-    assert min(r[1] for r in again) == emitted  # resumed where the stop left off
+    # A restore publishes the restored checkpoint's staged transactions again: idempotent
+    # for the file and SQL sinks, printed again by the print sink (as documented). Those
+    # are the records the final checkpoint staged, a suffix of the first run's; whether
+    # there are any depends on batching (it passed only when the final stage was empty).
+    reprinted = sorted(r[1] for r in again if r[1] < emitted)
+    assert reprinted == list(range(emitted - len(reprinted), emitted))
+    new = [r for r in again if r[1] >= emitted]
+    assert min(r[1] for r in new) == emitted  # resumed where the stop left off
     k0_before = sum(1 for r in records if r[0] == "k0")
-    assert next(r[2] for r in again if r[0] == "k0") == k0_before + 1  # state restored
+    assert next(r[2] for r in new if r[0] == "k0") == k0_before + 1  # state restored
 
 
 def test_a_finite_job_runs_to_its_end(

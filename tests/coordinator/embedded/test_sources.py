@@ -74,6 +74,43 @@ def test_positions_restore_at_another_parallelism(tmp_path: Path) -> None:
     assert len(taken) + len(rest) == RECORDS
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_files_are_streamed_and_every_position_resumes_exactly(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one file of 5,000 records; Parquet in row groups of 700 (a position falls inside
+    # a group and on its edges), JSON lines with blank lines (not records)
+    directory = tmp_path / "in"
+    directory.mkdir()
+    n = 5_000
+    rows = [{"user": f"u{t % 7}", "t": t} for t in range(n)]
+    if fmt == "jsonl":
+        text = "".join(json.dumps(r) + ("\n\n" if r["t"] % 97 == 0 else "\n") for r in rows)
+        (directory / "x.jsonl").write_text(text)
+    elif fmt == "csv":
+        (directory / "x.csv").write_text(
+            "user,t\n" + "".join(f"{r['user']},{r['t']}\n" for r in rows)
+        )
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), directory / "x.parquet", row_group_size=700)
+    # streamed: the whole file is never read into memory at once
+    monkeypatch.setattr("dstl.fileio.FileIO.read", lambda *a: pytest.fail("read whole file"))
+    source = FileSource(str(directory))
+    for cut in (1, 699, 700, 701, 2_345, 4_999, 5_000):
+        reader = source.open(0, 1, None)
+        first: list[Any] = []
+        while len(first) < cut:
+            batch = reader.read(min(256, cut - len(first)))
+            assert batch is not None
+            first += batch
+        position = reader.position()
+        reader.close()
+        resumed = source.open(0, 1, [json.loads(json.dumps(position))])
+        rest = _read_all(resumed, 300)
+        resumed.close()
+        assert [int(r["t"]) for r in first + rest] == list(range(n)), cut
+
+
 def test_an_unreadable_file_is_a_corruption_error(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x.parquet").write_bytes(b"not parquet at all")
