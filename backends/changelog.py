@@ -139,6 +139,33 @@ class _LoggedValueState(_Logged):
         if append(self._vop, b.current_key_bytes, b.current_key_group, None, data):
             self.flush()
 
+    def with_default(self, default: Any) -> Any:
+        """This state read with ``default`` for an absent (or None) value: the inner
+        store's own defaulted read and this state's logged writes (same buffer, same
+        order); None if the inner store has no defaulted read."""
+        inner_with = getattr(self._inner, "with_default", None)
+        if inner_with is None:
+            return None
+        return _DefaultedView(inner_with(default).value, self.update, self.clear)
+
+
+class _DefaultedView:
+    """A logged value state with a default: each method is a bound method of the store
+    or the logged state (reads default in the store, writes log), so no call layer of
+    its own. Task thread only."""
+
+    __slots__ = ("clear", "update", "value")
+
+    def __init__(
+        self,
+        value: Callable[[], Any],
+        update: Callable[[Any], None],
+        clear: Callable[[], None],
+    ) -> None:
+        self.value = value
+        self.update = update
+        self.clear = clear
+
 
 class _LoggedHeapValueState(_LoggedValueState):
     """:class:`_LoggedValueState` over the heap store, for values the record buffer

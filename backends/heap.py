@@ -100,9 +100,13 @@ class _HeapValueState(_Entries, HeapValue):
 
     def value(self) -> Any:
         m = self._table.get(self._backend.current_key_group)
-        if m is None:
-            return self._default
-        return m.get(self._backend.current_key, self._default)
+        v = None if m is None else m.get(self._backend.current_key)
+        return self._default if v is None else v
+
+    def with_default(self, default: Any) -> _HeapValueState:
+        """The same entries, read with ``default`` for an absent value (the store's own
+        write, so a default costs no extra call: :func:`backends.wrappers.wrap`)."""
+        return _HeapValueState(self._backend, self._table, default)
 
 
 class _HeapListState(_Entries, HeapList):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
@@ -143,22 +144,7 @@ def _decode_rocksdb_sst(
     try:
         db_dir = os.path.join(tmp, "db")
         os.makedirs(db_dir)
-        metadata: bytes | None = None
-        for f in handle.state_files:
-            data = read_verified(fileio, f.file_refs()[0])
-            name = _file_name(f.location, f.name)
-            if name == META_FILE:
-                metadata = data
-            else:
-                with open(os.path.join(db_dir, name), "wb") as fh:
-                    fh.write(data)
-        if metadata is None:
-            raise CorruptionError(
-                f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
-                handle.state_files[0].location if handle.state_files else None,
-            )
-        key_ser, _max_par, metas = decode_metadata(metadata, handle.writer_id)
-        _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
+        metas = _download_rocksdb(backend, fileio, handle, db_dir)
         rows: dict[int, list[tuple[bytes, bytes]]] = {sid: [] for sid in metas}
         try:
             db = open_raw_db(db_dir)
@@ -195,6 +181,68 @@ def _decode_rocksdb_sst(
         scratch.release()
 
 
+def _download_rocksdb(
+    backend: KeyedStateBackend, fileio: FileIO, handle: MaterializationHandle, db_dir: str
+) -> dict[int, StateMeta]:
+    """Write the files of ``handle`` (each checked against its content hash) into
+    ``db_dir``; the state metas by id (the key serializer checked against ``backend``)."""
+    metadata: bytes | None = None
+    for f in handle.state_files:
+        data = read_verified(fileio, f.file_refs()[0])
+        name = _file_name(f.location, f.name)
+        if name == META_FILE:
+            metadata = data
+        else:
+            with open(os.path.join(db_dir, name), "wb") as fh:
+                fh.write(data)
+    if metadata is None:
+        raise CorruptionError(
+            f"RocksDB materialization of {handle.writer_id} has no {META_FILE}",
+            handle.state_files[0].location if handle.state_files else None,
+        )
+    key_ser, _max_par, metas = decode_metadata(metadata, handle.writer_id)
+    _check_key_serializer(backend, key_ser, f"RocksDB state of {handle.writer_id}")
+    return metas
+
+
+def _adopt_rocksdb(
+    backend: KeyedStateBackend,
+    fileio: FileIO,
+    handle: MaterializationHandle,
+    trusted: bool,
+    states: Collection[str] | None,
+) -> bool:
+    """Restore a RocksDB materialization into a RocksDB store by making its files the
+    store's database (no row is read: restore at the speed of the download). Only into
+    a store still empty (:meth:`~backends.rocksdb.RocksDBKeyedStateBackend.can_adopt`),
+    of a materialization whose key groups all belong to the store (no rescale that
+    splits it), all states, trusted, and no TTL state (a row-by-row load drops expired
+    entries). False: not adopted, nothing changed; load it row by row."""
+    can_adopt = getattr(backend, "can_adopt", None)
+    rng = backend.key_group_range
+    if (
+        can_adopt is None
+        or not trusted
+        or states is not None
+        or not rng.start <= handle.key_group_start <= handle.key_group_end <= rng.end
+        or not can_adopt()
+    ):
+        return False
+    staging = backend.staging_dir()  # type: ignore[attr-defined]
+    try:
+        db_dir = os.path.join(staging, "db")
+        os.makedirs(db_dir)
+        metas = _download_rocksdb(backend, fileio, handle, db_dir)
+        if any(m.ttl is not None for m in metas.values()):
+            return False
+        backend.adopt(db_dir, metas)  # type: ignore[attr-defined]
+        return True
+    except OSError as exc:  # the local staging directory: a full disk is no corruption
+        raise LocalStoreError(f"cannot unpack RocksDB files locally ({exc})") from exc
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 _DECODERS: dict[
     str,
     Callable[
@@ -222,6 +270,8 @@ def _load_materialization(
     decoder = _DECODERS.get(handle.kind)
     if decoder is None:
         raise CorruptionError(f"unknown materialization kind {handle.kind!r} of {handle.writer_id}")
+    if handle.kind == "rocksdb-sst" and _adopt_rocksdb(backend, fileio, handle, trusted, states):
+        return
     decoded = decoder(backend, fileio, handle, key_groups, trusted, states)
     now = backend.clock()
     for meta, runs in decoded:
@@ -249,56 +299,104 @@ _FOLDABLE = {
 }
 
 
-def _replay_table(
-    backend: KeyedStateBackend,
-    table: pa.Table,
-    location: str,
-    trusted: bool,
-    states: Collection[str] | None = None,
-) -> None:
-    """Apply one block of changes: META records, then each state's changes.
+FOLD_ROWS = 1 << 22
+"""Value-like changes of one state gathered before they are folded (about 150 MiB of
+log rows): the fold bounds them by the state's key count again."""
 
-    Value-like states fold in Arrow to the last change per key (a set or a clear) and
-    load in bulk, with no Python call per change; list and map states replay change by
-    change. Changes of one state keep their order; states are independent (so leaving
-    out all but ``states`` changes none of them).
+
+class _Replay:
+    """Applies one writer's log, block by block, to ``backend``.
+
+    META records register their state at once; list and map states replay change by
+    change in order. Value-like states (value, reducing, aggregating) whose changes are
+    all sets and clears gather their changes over *blocks* and fold them in Arrow to
+    the last change per key (a set or a clear) before :meth:`finish` loads them in bulk:
+    a key set in every block is decoded and loaded once, not once per block. Changes of
+    one state keep their order; states are independent (so leaving out all but
+    ``states`` changes none of them, and a folded state may load after a list state
+    replayed). Restoring thread only.
     """
-    if states is not None:
-        table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
-    is_meta = pc.equal(table["op"], int(Op.META))
-    if pc.any(is_meta).as_py():
-        metas = table.filter(is_meta)
-        for name, value in zip(metas["state"].to_pylist(), metas["value"].to_pylist(), strict=True):
-            meta = StateMeta.from_json(value)
-            meta = meta if trusted else meta.untrusted()
-            known = backend.state_metas().get(name)
-            if known is not None:
-                known.check_compatible(meta)
+
+    def __init__(
+        self,
+        backend: KeyedStateBackend,
+        location: str,
+        trusted: bool,
+        states: Collection[str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.location = location
+        self.trusted = trusted
+        self.states = states
+        self._pending: dict[str, list[pa.Table]] = {}  # state -> gathered changes
+        self._rows: dict[str, int] = {}
+
+    def add(self, table: pa.Table) -> None:
+        """One block of changes (:data:`dstl.changelog.BLOCK_SCHEMA`), in log order."""
+        backend, location, states = self.backend, self.location, self.states
+        if states is not None:
+            table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
+        is_meta = pc.equal(table["op"], int(Op.META))
+        if pc.any(is_meta).as_py():
+            metas = table.filter(is_meta)
+            for name, value in zip(
+                metas["state"].to_pylist(), metas["value"].to_pylist(), strict=True
+            ):
+                meta = StateMeta.from_json(value)
+                meta = meta if self.trusted else meta.untrusted()
+                known = backend.state_metas().get(name)
+                if known is not None:
+                    known.check_compatible(meta)
+                else:
+                    backend.register_restored(meta)
+            table = table.filter(pc.invert(is_meta))
+        if table.num_rows == 0:
+            return
+        names = pc.unique(table["state"]).to_pylist()
+        for name in names:
+            part = table if len(names) == 1 else table.filter(pc.equal(table["state"], name))
+            declared = backend.state_metas().get(name)
+            if declared is None:
+                raise CorruptionError(f"change of undeclared state {name!r}", location)
+            set_op = _FOLDABLE.get(declared.kind)
+            ops = set(pc.unique(part["op"]).to_pylist())
+            if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
+                self._gather(name, part.select(["key_group", "key", "op", "value"]))
             else:
-                backend.register_restored(meta)
-        table = table.filter(pc.invert(is_meta))
-    if table.num_rows == 0:
-        return
-    names = pc.unique(table["state"]).to_pylist()
-    for name in names:
-        part = table if len(names) == 1 else table.filter(pc.equal(table["state"], name))
-        declared = backend.state_metas().get(name)
-        if declared is None:
-            raise CorruptionError(f"change of undeclared state {name!r}", location)
-        set_op = _FOLDABLE.get(declared.kind)
-        ops = set(pc.unique(part["op"]).to_pylist())
-        if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
-            _replay_values(backend, declared, part)
-        else:
-            _replay_rows(backend, declared, part, location)
+                self._fold(name)  # whatever was gathered first (this raises as corrupt)
+                _replay_rows(backend, declared, part, location)
+
+    def _gather(self, name: str, part: pa.Table) -> None:
+        self._pending.setdefault(name, []).append(part)
+        self._rows[name] = self._rows.get(name, 0) + part.num_rows
+        if self._rows[name] >= FOLD_ROWS:
+            folded = _last_per_key(pa.concat_tables(self._pending[name]))
+            self._pending[name] = [folded]
+            self._rows[name] = folded.num_rows
+
+    def _fold(self, name: str) -> None:
+        parts = self._pending.pop(name, None)
+        self._rows.pop(name, None)
+        if parts:
+            meta = self.backend.state_metas()[name]
+            _load_values(self.backend, meta, _last_per_key(pa.concat_tables(parts)))
+
+    def finish(self) -> None:
+        """Load every gathered state (its last change per key)."""
+        for name in list(self._pending):
+            self._fold(name)
 
 
-def _replay_values(backend: KeyedStateBackend, meta: StateMeta, part: pa.Table) -> None:
-    """Fold value-like changes to the last one per key, then set or clear in bulk."""
+def _last_per_key(part: pa.Table) -> pa.Table:
+    """The last row per (key group, key) of ``part``, in no particular order."""
     n = part.num_rows
     part = part.append_column("__row", pc.subtract(pc.cumulative_sum(pa.repeat(1, n)), 1))
     last = part.group_by(["key_group", "key"], use_threads=False).aggregate([("__row", "max")])
-    rows = part.take(last["__row_max"])
+    return part.take(last["__row_max"]).drop_columns(["__row"])
+
+
+def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) -> None:
+    """Set or clear, in bulk, the folded value-like changes ``rows`` (one per key)."""
     cleared = pc.equal(rows["op"], int(Op.CLEAR))
     key_ser = backend.key_serializer
     if pc.any(cleared).as_py():
@@ -312,6 +410,15 @@ def _replay_values(backend: KeyedStateBackend, meta: StateMeta, part: pa.Table) 
             state.clear()
         rows = rows.filter(pc.invert(cleared))
     if rows.num_rows == 0:
+        return
+    load_serialized = getattr(backend, "load_serialized_values", None)
+    if load_serialized is not None:  # a store of bytes (RocksDB) takes the log's bytes
+        load_serialized(
+            meta,
+            rows["key_group"].combine_chunks(),
+            rows["key"].combine_chunks(),
+            rows["value"].combine_chunks(),
+        )
         return
     rows = rows.take(pc.sort_indices(rows["key_group"]))
     groups = pc.run_end_encode(rows["key_group"].combine_chunks())
@@ -407,9 +514,11 @@ def restore_into(
             by_writer.setdefault(c.writer_id, []).append(c)
         changes = 0
         for writer_id, logs in by_writer.items():
+            replay = _Replay(backend, logs[0].location, trusted, states)
             for table in _uncovered_changes(fileio, h, writer_id, logs, rng):
                 changes += table.num_rows
-                _replay_table(backend, table, logs[0].location, trusted, states)
+                replay.add(table)
+            replay.finish()
         log.info(
             "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f",
             h.backend_id,

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import rocksdict
 
 from backends.backend import wall_clock_ms
@@ -160,18 +162,28 @@ def decode_state_rows(
 class _RocksValueState:
     """Raw value-like state (value, reducing, aggregating). Task thread only."""
 
-    __slots__ = ("_b", "_db", "_ser", "_sid")
+    __slots__ = ("_b", "_db", "_de", "_default", "_ser", "_sid")
 
-    def __init__(self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer) -> None:
+    def __init__(
+        self, backend: RocksDBKeyedStateBackend, sid: bytes, ser: Serializer, default: Any = None
+    ) -> None:
         self._b = backend
         self._db = backend._db
         self._sid = sid
         self._ser = ser
+        self._de = ser.deserialize
+        self._default = default
 
     def value(self) -> Any:
-        b = self._b
+        b, de = self._b, self._de
         data = self._db.get(b._kgb + self._sid + b._kpart)
-        return None if data is None else self._ser.deserialize(data)
+        v = None if data is None else de(data)
+        return self._default if v is None else v
+
+    def with_default(self, default: Any) -> _RocksValueState:
+        """The same rows, read with ``default`` for an absent value (no extra call for
+        the default: :func:`backends.wrappers.wrap`)."""
+        return _RocksValueState(self._b, self._sid, self._ser, default)
 
     def update(self, value: Any) -> None:
         b = self._b
@@ -575,6 +587,32 @@ class RocksDBKeyedStateBackend:
                 wb.put(row, vser.serialize(value))
         self._write(wb)
 
+    def load_serialized_values(
+        self, meta: StateMeta, key_groups: pa.Array, keys: pa.Array, values: pa.Array
+    ) -> None:
+        """Bulk-insert value-like entries given as serialized bytes (the log's ``key``
+        and ``value`` columns: the bytes this store keeps), one write batch. The rows
+        are built in Arrow; the key groups must be this backend's (the caller filtered
+        them). No Python call per entry beyond the batch's ``put``."""
+        sid = self._register(meta).to_bytes(2, "big")
+        prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
+        lengths = pc.binary_length(keys)
+        low, high = pc.min_max(lengths).values()
+        if low.as_py() is None:
+            return
+        if low.as_py() == high.as_py():  # fixed-width keys: one length prefix for all
+            framed = pc.binary_join_element_wise(
+                prefixes.take(key_groups), _LEN.pack(low.as_py()), keys, b""
+            )
+        else:
+            lens = pa.array([_LEN.pack(n) for n in lengths.to_pylist()], pa.binary())
+            framed = pc.binary_join_element_wise(prefixes.take(key_groups), lens, keys, b"")
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        put = wb.put
+        for row, value in zip(framed.to_pylist(), values.to_pylist(), strict=True):
+            put(row, value)
+        self._write(wb)
+
     def _write(self, wb: rocksdict.WriteBatch) -> None:
         self._check_open()
         try:
@@ -664,6 +702,36 @@ class RocksDBKeyedStateBackend:
                         deleted += 1
             self._write(wb)
         return deleted
+
+    # -- adopting a materialized database (restore at the speed of the disk) ------------
+    def can_adopt(self) -> bool:
+        """Whether :meth:`adopt` may replace the database: no state was declared,
+        restored or asked for yet (so there is no row and no state object)."""
+        return not self._closed and not self._metas and not self._raw and not self._states
+
+    def staging_dir(self) -> str:
+        """A fresh directory inside this store's (same file system: :meth:`adopt` renames)."""
+        self._check_open()
+        return tempfile.mkdtemp(prefix="adopt-", dir=self.path)
+
+    def adopt(self, db_dir: str, metas: dict[int, StateMeta]) -> None:
+        """Make the RocksDB files in ``db_dir`` this store's database, with states
+        ``metas`` (state id -> meta, ids ``0..n-1``), instead of loading its rows one by
+        one. Only while :meth:`can_adopt`; the caller checked the files (their content
+        hashes), the key serializer and that every row is in this store's key groups.
+        The store is unusable if this raises (a restore then fails as a whole)."""
+        if not self.can_adopt():
+            raise LocalStoreError("a RocksDB store adopts a database only while empty")
+        if sorted(metas) != list(range(len(metas))):
+            raise CorruptionError(f"state ids {sorted(metas)} are not 0..n-1", db_dir)
+        live = os.path.join(self.path, "db")
+        self._db.close()
+        shutil.rmtree(live)
+        os.rename(db_dir, live)
+        self._db = open_raw_db(live)
+        for sid, meta in metas.items():
+            self._metas[meta.name] = meta
+            self._ids[meta.name] = sid
 
     def _check_open(self) -> None:
         if self._closed:

@@ -34,7 +34,9 @@ Clock = Callable[[], int]
 
 
 class DefaultValueState:
-    """A value state that returns ``default`` instead of None. Task thread only."""
+    """A value state that returns ``default`` instead of None, over a raw state that
+    cannot read with a default itself (one more Python call per read; the stores' raw
+    value states can: see :func:`wrap`). Task thread only."""
 
     __slots__ = ("_default", "_raw")
 
@@ -246,13 +248,20 @@ def wrap(descriptor: StateDescriptor, raw: Any, clock: Clock) -> Any:
     """The user-facing state of ``descriptor`` over the store's raw state ``raw``.
 
     Returns ``raw`` itself when no behaviour is needed (plain value/list/map state without
-    TTL or default), so the hot path pays for no extra call.
+    TTL), so the hot path pays for no extra call. A plain value state with a default is
+    ``raw.with_default(default)`` when the raw state has it and it is not None (a view over
+    the same entries and log whose ``value()`` reads the default itself: no extra call
+    either), else a :class:`DefaultValueState`.
     """
     ttl = getattr(descriptor, "ttl", None)
     if isinstance(descriptor, ValueStateDescriptor):
         if ttl is not None:
             return TtlValueState(raw, clock, ttl, descriptor.default)
-        return raw if descriptor.default is None else DefaultValueState(raw, descriptor.default)
+        if descriptor.default is None:
+            return raw
+        with_default = getattr(raw, "with_default", None)
+        view = None if with_default is None else with_default(descriptor.default)
+        return DefaultValueState(raw, descriptor.default) if view is None else view
     if isinstance(descriptor, ListStateDescriptor):
         return raw if ttl is None else TtlListState(raw, clock, ttl)
     if isinstance(descriptor, MapStateDescriptor):

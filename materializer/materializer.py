@@ -61,6 +61,7 @@ from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import layout
 from dstl.errors import ConfigError, StorageError
 from dstl.fileio import FileIO
+from dstl.gil import short_gil_slices
 from dstl.handles import ChangelogHandle
 from dstl.integrity import content_hash
 from dstl.upload import Uploader
@@ -259,8 +260,15 @@ class Materializer:
         """Like :meth:`upload`, also saying which files were new and what it cost.
 
         Raises :class:`MaterializationError` (its cause is the storage or read error);
-        new files are deleted first unless their write outcome is unknown.
+        new files are deleted first unless their write outcome is unknown. Runs with
+        :func:`short_gil_slices`.
         """
+        with short_gil_slices():
+            return self._upload_result(mat_id, snapshot)
+
+    def _upload_result(
+        self, mat_id: int, snapshot: MaterializationSnapshot
+    ) -> MaterializationResult:
         with self._lock:
             pending = self._pending.pop(mat_id, None)
         shareable = pending.shareable if pending is not None else {}

@@ -31,3 +31,23 @@ def test_a_column_of_unique_values_falls_back_to_plain_early() -> None:
     assert value.data_page_offset - value.dictionary_page_offset < 200_000
     assert parquet_to_table(data, "mem").equals(table)
     backend.close()
+
+
+def test_packed_columns_are_the_serializers_columns() -> None:
+    """int64 and float64 columns are packed from the dicts by ``array.array``: the same
+    column ``to_arrow`` makes, and what it refuses is refused."""
+    import pyarrow as pa
+    import pytest
+
+    from backends.serializers import FLOAT64
+    from backends.tables import _column
+
+    ints = [0, -1, (1 << 63) - 1, -(1 << 63), 7, True]
+    assert _column(INT64, iter(ints)).equals(pa.array([int(i) for i in ints], pa.int64()))
+    floats = [0.5, -2.0, float("inf"), 3]
+    assert _column(FLOAT64, iter(floats)).equals(FLOAT64.to_arrow(floats))
+    assert _column(STR, iter(["a", "b"])).equals(STR.to_arrow(["a", "b"]))
+    with pytest.raises(TypeError):
+        _column(INT64, iter([1.5]))
+    with pytest.raises(OverflowError):
+        _column(INT64, iter([1 << 63]))

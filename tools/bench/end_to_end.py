@@ -340,7 +340,10 @@ def run_case(
         code = r.finish(timeout=900)
         restart_s = time.monotonic() - started
         revents = r.snapshot()
-        live = _live_bytes(store, facts.get("handles", [])) if facts["checkpoint_id"] else 0
+        # The same state, read from the restored worker's final checkpoint: the killed
+        # run's files may be gone once that checkpoint subsumed them.
+        after = _checkpoint_facts(store)
+        live = _live_bytes(store, after.get("handles", [])) if after["checkpoint_id"] else 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return _summarize(case, pattern, events, revents, facts, live, loaded_at, code, restart_s)
@@ -434,8 +437,10 @@ def _headline(cases: list[dict[str, Any]], peer: dict[str, Any] | None) -> dict[
         ),
         "materialization_s_max_heap": heap["mat_max_s"],
         "materialization_throughput_ratio_heap": heap["mat_throughput_ratio"],
-        "space_amplification": max(
-            c["space_amp"] for c in cases if c["changelog"] == "on" and c["space_amp"]
+        "space_amplification": max(  # ours (the peer's case has one too)
+            c["space_amp"]
+            for c in cases
+            if c["system"] == "ours" and c["changelog"] == "on" and c["space_amp"]
         ),
         "own_checkpoint_p99_ms": max(c["own_p99_ms"] for c in (heap, rocks)),
         "materialization_sync_max_ms_rocksdb": rocks["mat_sync_max_ms"],
