@@ -1,7 +1,8 @@
 """The main job: run the demo pipeline, kill it, restore it, verify it.
 
-``python -m tools.demo`` (what ``make demo`` runs) starts the demo pipeline in a worker
-process on the embedded defaults (local directory ``demo-data/`` as durable storage,
+``python -m tools.demo`` (what ``make demo-embedded`` runs) starts the demo pipeline in a
+worker process on the embedded defaults (local directory ``demo-data/embedded/`` as durable
+storage, beside the Spark demo's ``demo-data/spark/``,
 SQLite metadata inside it), kills that process with SIGKILL after a few completed
 checkpoints, restarts it from the latest completed checkpoint, and checks that the sink's
 committed output and the final checkpointed state equal a failure-free run's. It prints a
@@ -177,11 +178,14 @@ def run_demo(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"  {k.ljust(width)}  {v}")
     statectl = os.path.relpath(os.path.join(os.path.dirname(sys.executable), "statectl"))
+    store = os.path.relpath(store_dir)
+    # beside the store, not inside it (restore refuses to write into a store)
+    restored = os.path.relpath(os.path.join(os.path.dirname(store_dir), "restored"))
     print("\nThe store is kept; try:")
-    print(f"  {statectl} checkpoints list --store {os.path.relpath(store_dir)}")
+    print(f"  {statectl} checkpoints list --store {store}")
     if latest is not None:
         print(
-            f"  {statectl} restore --store {os.path.relpath(store_dir)} --checkpoint {latest.checkpoint_id} -o {os.path.relpath(store_dir)}/restored"
+            f"  {statectl} restore --store {store} --checkpoint {latest.checkpoint_id} -o {restored}"
         )
     print("\nRESULT: " + ("OK" if ok else "MISMATCH"))
     return 0 if ok else 1
@@ -195,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("mode", nargs="?", choices=["demo", "worker"], default="demo")
-    parser.add_argument("--store", default="demo-data")
+    parser.add_argument("--store", default="demo-data/embedded")
     parser.add_argument("--events", type=int, default=60_000, help="events per source subtask")
     parser.add_argument(
         "--rate", type=float, default=12_000.0, help="events/s per source subtask (0: unthrottled)"

@@ -3,10 +3,10 @@ restarted, verified against a failure-free computation.
 
 ``python -m tools.spark.demo`` (what ``make demo`` runs) writes the demo's seeded event
 stream (:mod:`tools.demo_job`: per user a count, a sum, the last five items and counts per
-category) as JSON files into ``demo-data/input``, one file per micro-batch, and runs the
-query in a driver process on ``local[2]``: a file source, the stateful step (2 key-group
-ranges, state on local disk, SQLite metadata in ``demo-data/store``), output committed as
-Parquet into ``demo-data/output``. It kills the driver with SIGKILL at random moments,
+category) as JSON files into ``demo-data/spark/input``, one file per micro-batch, and runs
+the query in a driver process on ``local[2]``: a file source, the stateful step (2 key-group
+ranges, state on local disk, SQLite metadata in ``demo-data/spark/store``), output
+committed as Parquet into ``demo-data/spark/output``. It kills the driver with SIGKILL at random moments,
 restarts it until the input is done, then checks that the committed output and the final
 checkpointed state equal a failure-free computation, prints a summary and exits non-zero
 if anything did not match.
