@@ -105,6 +105,10 @@ def savepoint_from_checkpoint(
     try:
         savepoint = make_self_contained(fileio, draft)
     except SavepointError as exc:
+        if isinstance(exc.__cause__, CorruptionError):  # damaged, not removed: say so
+            raise CorruptionError(
+                f"{exc} (copying from checkpoint {checkpoint.checkpoint_id})"
+            ) from exc
         raise SavepointError(
             f"{exc} (copying from checkpoint {checkpoint.checkpoint_id}; if the job removed "
             "it meanwhile, use a newer one)"

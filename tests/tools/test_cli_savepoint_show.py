@@ -112,6 +112,24 @@ def test_a_missing_file_records_nothing_and_leaves_no_copy(
     assert not [p for p in (store / "savepoints").rglob("*") if p.is_file()]
 
 
+def test_a_damaged_file_is_corruption_and_records_nothing(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _list(store, capsys)
+    latest = max(int(str(r["checkpoint"])) for r in before)
+    with MetadataStore.for_local_store(str(store)) as meta:
+        victim = store / meta.get("demo", latest).files()[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["savepoint", "--store", str(store)]) == 4  # corruption, as for every read
+    err = capsys.readouterr().err
+    assert f"from checkpoint {latest}" in err and victim.name in err
+    assert "meanwhile" not in err and err.strip().count("\n") == 0
+    assert _list(store, capsys) == before
+    assert not [p for p in (store / "savepoints").rglob("*") if p.is_file()]
+
+
 def test_show_prints_each_subtask_materialization(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
