@@ -552,6 +552,12 @@ class ChangelogKeyedStateBackend(Generic[B]):
         last = self.writer.last_appended_sqn()
         return last is not None and last >= self._log_from_sqn
 
+    def log_bytes(self) -> int:
+        """About how many bytes of log a checkpoint taken now would reference beside its
+        base (:meth:`ChangelogWriter.log_size`); what periodic materialization bounds."""
+        self.flush_log()
+        return self.writer.log_size()[0]
+
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
         """Close the active change set and copy the state (the synchronous part)."""
         self.flush_log()

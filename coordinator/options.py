@@ -17,6 +17,7 @@ from dstl.changelog import ChangelogOptions
 from dstl.errors import ConfigError
 from dstl.fileio import FileIO
 from dstl.options import Converter, boolean, optional_float, parse_dotted
+from materializer import MaterializationOptions
 
 
 class BarrierMode(StrEnum):
@@ -40,6 +41,7 @@ class RuntimeOptions:
     measured throughput, default 0.01; ``none``: only the fixed bound), ``buffer.max-records`` (the
     fixed bound of a task's input), ``source.batch``, ``state.backend``,
     ``state.changelog``, ``state.local-dir``, ``materialization.interval-s``,
+    ``materialization.max-log-ratio`` (:class:`~materializer.MaterializationOptions`),
     ``materialization.mode`` (online; offline: only offline compactions materialize).
     """
 
@@ -49,6 +51,9 @@ class RuntimeOptions:
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     changelog: ChangelogOptions = field(default_factory=ChangelogOptions)
     materialization_interval_s: float = 5.0
+    # materialize early once the log since the base is this fraction of the base's bytes
+    # (bounds a checkpoint's full size; see materializer.scheduler; 0: interval only)
+    materialization_max_log_ratio: float = MaterializationOptions().max_log_ratio
     # "offline": the job only writes the log; offline compactions (statectl compact, on
     # Spark) materialize it and the tasks adopt them at a barrier
     materialization: str = "online"
@@ -75,6 +80,7 @@ class RuntimeOptions:
         "state.changelog": ("changelog_enabled", boolean),
         "state.local-dir": ("local_dir", str),
         "materialization.interval-s": ("materialization_interval_s", float),
+        "materialization.max-log-ratio": ("materialization_max_log_ratio", float),
         "materialization.mode": ("materialization", str),
     }
 

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
+UNSEEN_BYTES_PER_ROW = 8.0  # estimate of a change record's encoded size before any upload
 SMALL_COLUMNS = 32  # append_columns of fewer rows (as Python lists) adds them as single records
 
 
@@ -269,6 +270,26 @@ class ChangelogWriter:
         if self._uploads:
             return self._uploads[-1].sqn_end - 1
         return None
+
+    def log_size(self) -> tuple[int, int]:
+        """``(bytes, rows)`` of the log a persist now would reference (everything kept
+        since the truncation point): uploaded blocks at their segment's size, the rest
+        (buffered or uploading) at the bytes per row the uploaded ones took, else at
+        :data:`UNSEEN_BYTES_PER_ROW`. An estimate for materialization policy; cheap (no
+        I/O, one step per upload kept).
+        """
+        done_bytes = done_rows = pending_rows = 0
+        for upload in self._uploads:
+            fut = upload.future
+            if fut.done() and fut.exception() is None:
+                handle = fut.result()
+                done_bytes += handle.size_bytes
+                done_rows += handle.rows
+            elif upload.changes is not None:
+                pending_rows += upload.changes.rows
+        pending_rows += len(self._buffer)
+        per_row = done_bytes / done_rows if done_rows else UNSEEN_BYTES_PER_ROW
+        return done_bytes + round(pending_rows * per_row), done_rows + pending_rows
 
     def next_sqn(self) -> int:
         """Close the active change set and return the boundary sqn.

@@ -157,6 +157,10 @@ class FullSnapshotCheckpointer:
         """Always True: without a log there is no cheap change signal."""
         return True
 
+    def log_bytes(self) -> int:
+        """0: a full snapshot has no log."""
+        return 0
+
     # -- checkpoints --------------------------------------------------------------------
     @property
     def last_stats(self) -> MaterializationStats | None:

@@ -108,6 +108,10 @@ class MaterializationSource(Protocol):
         """Whether anything changed since the current base."""
         ...
 
+    def log_bytes(self) -> int:
+        """About how many bytes of log a checkpoint now would reference beside the base."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class MaterializerOptions:

@@ -15,11 +15,17 @@ thread to the task thread through a queue; ``on_ready`` (optional) is called on 
 upload thread after a result is queued, so a runtime can wake its task (e.g. put a
 control message into its mailbox) instead of waiting for its next loop turn.
 
-Policy (Flink's ``PeriodicMaterializationManager``): the first run is at a random point in
-``[interval/2, interval)`` from start (spreads subtasks apart); later runs every
-``interval_s``; a run is skipped (and the next one scheduled an interval later) while the
-previous materialization is in flight or not yet applied, and when nothing changed since
-the base. ``max_consecutive_failures`` failures in a row raise
+Policy (Flink's ``PeriodicMaterializationManager``, plus a size bound): the first run is
+at a random point in ``[interval/2, interval)`` from start (spreads subtasks apart); later
+runs every ``interval_s``; a run is skipped (and the next one scheduled an interval later)
+while the previous materialization is in flight or not yet applied, and when nothing
+changed since the base. Besides, a run starts as soon as nothing is in flight and the log a
+checkpoint would reference beside the base (``backend.log_bytes()``, looked at every
+:data:`SIZE_CHECK_S` at most) has reached ``max_log_ratio`` of the base's bytes: a
+checkpoint's full size is its base plus that log, so the interval alone lets it grow with
+the update rate (at 100k keys and ~200k updates/s, 5 s of log are ~10x the state), while
+the ratio keeps it near ``(1 + max_log_ratio) * base`` plus the log written while one
+materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. ``max_consecutive_failures`` failures in a row raise
 :class:`~materializer.errors.MaterializationFailuresExceededError`, which fails the task;
 a success resets the count. Until then a failure only means checkpoints keep referencing
 the older base and a longer log.
@@ -44,26 +50,40 @@ from materializer.materializer import MaterializationResult, MaterializationStat
 
 log = logging.getLogger(__name__)
 
+MIN_BASE_BYTES = 64 << 10
+"""The size bound treats a smaller base (or none) as this big: a new state is materialized
+early too (its whole log is its size), but a tiny one is not materialized over and over."""
+
+SIZE_CHECK_S = 0.05
+"""The size bound's look at the log happens at most this often (it flushes the record
+buffers and walks the writer's uploads: cheap, but not per record)."""
+
 
 @dataclass(frozen=True, slots=True)
 class MaterializationOptions:
     """Options of periodic materialization.
 
     Dotted keys (see :meth:`from_dict`): ``materialization.interval-s``,
-    ``materialization.max-consecutive-failures``.
+    ``materialization.max-log-ratio`` (start a materialization once the log since the base
+    reaches this fraction of the base's bytes; 0: by interval only; default 0.25, see the
+    module docstring), ``materialization.max-consecutive-failures``.
     """
 
     interval_s: float = 5.0
     max_consecutive_failures: int = 3
+    max_log_ratio: float = 0.25
 
     KEYS: ClassVar[dict[str, tuple[str, Converter]]] = {
         "materialization.interval-s": ("interval_s", float),
+        "materialization.max-log-ratio": ("max_log_ratio", float),
         "materialization.max-consecutive-failures": ("max_consecutive_failures", int),
     }
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ConfigError("materialization.interval-s must be > 0")
+        if not self.max_log_ratio >= 0:
+            raise ConfigError("materialization.max-log-ratio must be >= 0")
         if self.max_consecutive_failures < 1:
             raise ConfigError("materialization.max-consecutive-failures must be >= 1")
 
@@ -120,6 +140,8 @@ class MaterializationScheduler:
         self.failed = 0
         self.skipped_unchanged = 0
         self.skipped_in_flight = 0
+        self.size_triggered = 0
+        self._next_size_check = clock()
         self.last_applied: MaterializationStats | None = None
         # Release of bases no checkpoint will ever reference (see on_barrier).
         self._base: MaterializationResult | None = None
@@ -148,7 +170,8 @@ class MaterializationScheduler:
         Raises :class:`MaterializationFailuresExceededError` once the budget is spent.
         """
         self._check()
-        if now < self.next_due:
+        timed = now >= self.next_due
+        if not timed and (self._in_flight is not None or not self._log_over_bound(now)):
             return False
         self.next_due = now + self.options.interval_s
         if self._in_flight is not None:
@@ -165,8 +188,21 @@ class MaterializationScheduler:
             self._count_failure(exc)
             return False
         self.started += 1
+        if not timed:
+            self.size_triggered += 1
         self._in_flight = self._executor.submit(self._upload, mat_id, snapshot)
         return True
+
+    def _log_over_bound(self, now: float) -> bool:
+        """Whether the log since the base reached ``max_log_ratio`` of the base's bytes
+        (at least :data:`MIN_BASE_BYTES`; looked at every :data:`SIZE_CHECK_S` at most)."""
+        ratio = self.options.max_log_ratio
+        if not ratio or now < self._next_size_check:
+            return False
+        self._next_size_check = now + SIZE_CHECK_S
+        backend = self.materializer.backend
+        base = sum(f.size_bytes for m in backend.base for f in m.state_files)
+        return backend.log_bytes() >= ratio * max(base, MIN_BASE_BYTES)
 
     def poll(self) -> MaterializationResult | None:
         """Apply a finished materialization to the backend; None if none finished.

@@ -151,11 +151,15 @@ class KeyedOperator:
                 self.backend, fileio, job_id, node.name, subtask, clock, uploader=uploader
             )
         )
-        # Periodic, jittered, skipped when idle or in flight; fails the task after
-        # max_consecutive_failures failures in a row. Uploads on its own named thread.
+        # Periodic, jittered, early when the log outgrows its bound, skipped when idle or
+        # in flight; fails the task after max_consecutive_failures failures in a row.
+        # Uploads on its own named thread.
         self.materialization = MaterializationScheduler(
             self.materializer,
-            MaterializationOptions(interval_s=options.materialization_interval_s),
+            MaterializationOptions(
+                interval_s=options.materialization_interval_s,
+                max_log_ratio=options.materialization_max_log_ratio,
+            ),
             clock=clock,
             name=f"{node.name}-{subtask}",
         )

@@ -76,6 +76,7 @@ class LocalFilesBackend:
         self.live: list[str] = []
         self.sqn = 0
         self.changed = True
+        self.log = 0  # what log_bytes says
         self.snapshots: list[LocalFilesSnapshot] = []
 
     def write(self, name: str, data: bytes) -> None:
@@ -95,6 +96,9 @@ class LocalFilesBackend:
 
     def changed_since_materialization(self) -> bool:
         return self.changed
+
+    def log_bytes(self) -> int:
+        return self.log
 
 
 class FailingFileIO(FileIO):

@@ -195,6 +195,11 @@ def test_options_from_dotted_keys() -> None:
         {"materialization.interval-s": "2.5", "materialization.max-consecutive-failures": 5}
     )
     assert opts == MaterializationOptions(2.5, 5)
+    assert MaterializationOptions.from_dict({"materialization.max-log-ratio": "0"}) == (
+        MaterializationOptions(max_log_ratio=0.0)
+    )
+    with pytest.raises(ConfigError):
+        MaterializationOptions(max_log_ratio=-0.1)
     with pytest.raises(ConfigError, match="unknown"):
         MaterializationOptions.from_dict({"materialization.intervall": 1})
     with pytest.raises(ConfigError):
