@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -30,7 +31,7 @@ from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import Runs, parquet_to_table, table_entries, table_meta
 from backends.wrappers import alive
-from dstl.changelog import META_KEY_GROUP, read_changes
+from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
@@ -350,20 +351,36 @@ class _Replay:
                 else:
                     backend.register_restored(meta)
             table = table.filter(pc.invert(is_meta))
-        if table.num_rows == 0:
+        n = table.num_rows
+        if n == 0:
             return
-        names = pc.unique(table["state"]).to_pylist()
-        for name in names:
-            part = table if len(names) == 1 else table.filter(pc.equal(table["state"], name))
+        # Which state each row is of (codes), which ops each state has, and where the
+        # state changes: a writer hands each state's records over in runs (its buffer of
+        # up to 4096), so a foldable state is gathered as zero-copy slices, not filtered.
+        states_col = pc.dictionary_encode(table["state"]).combine_chunks()
+        names = states_col.dictionary.to_pylist()
+        codes = states_col.indices.to_numpy(zero_copy_only=False)
+        op_col = table["op"].combine_chunks().to_numpy(zero_copy_only=False).astype(np.int64)
+        seen = np.bincount(codes * 256 + (op_col & 0xFF), minlength=len(names) * 256)
+        starts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
+        bounds = list(zip([0, *starts.tolist()], [*starts.tolist(), n], strict=True))
+        columns = table.select(["key_group", "key", "op", "value"])
+        for i, name in enumerate(names):
             declared = backend.state_metas().get(name)
             if declared is None:
                 raise CorruptionError(f"change of undeclared state {name!r}", location)
             set_op = _FOLDABLE.get(declared.kind)
-            ops = set(pc.unique(part["op"]).to_pylist())
+            ops = {
+                op if op < 128 else op - 256
+                for op in np.flatnonzero(seen[i * 256 : (i + 1) * 256]).tolist()
+            }
             if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
-                self._gather(name, part.select(["key_group", "key", "op", "value"]))
+                for start, end in bounds:
+                    if codes[start] == i:
+                        self._gather(name, columns.slice(start, end - start))
             else:
                 self._fold(name)  # whatever was gathered first (this raises as corrupt)
+                part = table if len(names) == 1 else table.filter(pc.equal(codes, i))
                 _replay_rows(backend, declared, part, location)
 
     def _gather(self, name: str, part: pa.Table) -> None:
@@ -388,11 +405,26 @@ class _Replay:
 
 
 def _last_per_key(part: pa.Table) -> pa.Table:
-    """The last row per (key group, key) of ``part``, in no particular order."""
-    n = part.num_rows
-    part = part.append_column("__row", pc.subtract(pc.cumulative_sum(pa.repeat(1, n)), 1))
-    last = part.group_by(["key_group", "key"], use_threads=False).aggregate([("__row", "max")])
-    return part.take(last["__row_max"]).drop_columns(["__row"])
+    """The last row per key of ``part``, in log order (a key's bytes decide its key
+    group, so the key alone identifies the entry). One hash pass over the keys, no
+    Python call per row: 8-byte keys (int64, float64) hash as integers, others by their
+    codes in an Arrow dictionary."""
+    import pandas as pd  # here: a restore with no log does not pay for the import
+
+    if part.num_rows < 2:
+        return part
+    keys = part["key"].combine_chunks()
+    lengths = pc.binary_length(keys)
+    low, high = (s.as_py() for s in pc.min_max(lengths).values())
+    if low == high == 8 and keys.null_count == 0:
+        offset = np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0]
+        codes: np.ndarray[Any, Any] = np.frombuffer(
+            keys.buffers()[2], "<i8", len(keys), int(offset)
+        )
+    else:
+        codes = pc.dictionary_encode(keys).indices.to_numpy()
+    repeated = pd.Series(codes, copy=False).duplicated(keep="last").to_numpy()
+    return part.filter(pa.array(~repeated))
 
 
 def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) -> None:
@@ -539,22 +571,9 @@ def _uncovered_changes(
 ) -> Iterator[pa.Table]:
     """The changes of ``writer_id``'s ``logs`` in ``rng`` that no materialization of
     ``handle`` holds: each key group's from the sqn its own materialization covers
-    (:meth:`~backends.handles.KeyedStateHandle.replay_segments`). One read; where the
-    key groups' coverage differs (a state merged from several old ranges), one Arrow
-    filter per block."""
-    runs = handle.replay_segments(writer_id, rng)
-    lowest = min((s for _, _, s in runs), default=0)
-    tables = read_changes(fileio, logs, lowest, (rng.start, rng.end))
-    if len(runs) <= 1:
-        yield from tables
-        return
-    for table in tables:
-        kg, sqn = table["key_group"], table["sqn"]
-        keep = pc.equal(kg, META_KEY_GROUP)
-        for start, end, from_sqn in runs:
-            in_run = pc.and_(pc.greater_equal(kg, start), pc.less(kg, end))
-            keep = pc.or_(keep, pc.and_(in_run, pc.greater_equal(sqn, from_sqn)))
-        yield table.filter(keep)
+    (:meth:`~backends.handles.KeyedStateHandle.replay_segments`), in one read and at
+    most one Arrow filter per block."""
+    return read_changes(fileio, logs, runs=handle.replay_segments(writer_id, rng))
 
 
 def _intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:

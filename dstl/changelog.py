@@ -27,6 +27,7 @@ not-yet-truncated range may still need it; closing deletes nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import random
@@ -668,32 +669,77 @@ class ChangelogStorage:
         self._attempts.shutdown(wait=True)
 
 
+READ_AHEAD = 2
+"""Segments :func:`read_changes` reads and decodes ahead, on as many threads (Parquet
+decoding releases the GIL, so a restore's replay overlaps it with its own work)."""
+
+
 def read_changes(
     fileio: FileIO,
     handles: Iterable[ChangelogHandle],
     from_sqn: int = 0,
     key_groups: tuple[int, int] | None = None,
+    runs: Sequence[tuple[int, int, int]] | None = None,
 ) -> Iterator[pa.Table]:
     """Yield the changes of ``handles`` in order, as tables of :data:`BLOCK_SCHEMA`.
 
     Keeps records with ``sqn >= from_sqn`` and, if ``key_groups=(start, end)`` is given,
-    only those in that half-open key-group range (metadata records always pass). Reads
-    each segment file once even when several handles point into it.
+    only those in that half-open key-group range. ``runs`` (instead of both): records of
+    key groups ``[start, end)`` with ``sqn >= from_sqn``, per ``(start, end, from_sqn)``
+    run; none outside the runs. Metadata records always pass. A block all of whose
+    records pass is yielded as read (no filter copies it). Reads each segment file once
+    even when several handles point into it (adjacent handles of one file), up to
+    :data:`READ_AHEAD` files ahead on threads of its own, stopped when the generator is.
     """
-    readers: dict[str, SegmentReader] = {}
+    if runs is None:
+        lo, hi = key_groups if key_groups is not None else (META_KEY_GROUP, 1 << 31)
+        runs = [(lo, hi, from_sqn)]
+    elif from_sqn or key_groups is not None:
+        raise ValueError("read_changes: give runs, or from_sqn and key_groups, not both")
+    runs = sorted(runs)
+    groups = [list(g) for _, g in itertools.groupby(handles, key=lambda h: h.location)]
+    if len(groups) <= 1 or READ_AHEAD < 1:
+        for group in groups:
+            yield from _read_segment(fileio, group, runs)
+        return
+    pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="dstl-read")
+    try:
+        ahead: list[Future[list[pa.Table]]] = []
+        todo = iter(groups)
+        for group in itertools.islice(todo, READ_AHEAD):
+            ahead.append(pool.submit(_read_segment, fileio, group, runs))
+        while ahead:
+            tables = ahead.pop(0).result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                ahead.append(pool.submit(_read_segment, fileio, nxt, runs))
+            yield from tables
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_segment(
+    fileio: FileIO, handles: list[ChangelogHandle], runs: list[tuple[int, int, int]]
+) -> list[pa.Table]:
+    """The changes of ``handles`` (blocks of one segment file) that ``runs`` keep."""
+    ref = handles[0].file_refs()[0]
+    reader = SegmentReader(read_verified(fileio, ref), fileio.url(fileio.relative(ref.location)))
+    newest = max((f for _, _, f in runs), default=0)
+    whole = all(a[1] == b[0] for a, b in itertools.pairwise(runs))  # one contiguous span
+    span = (runs[0][0], runs[-1][1]) if runs and whole else None
+    out = []
     for handle in handles:
-        reader = readers.get(handle.location)
-        if reader is None:
-            readers.clear()  # handles of one file are usually adjacent; keep memory flat
-            ref = handle.file_refs()[0]
-            reader = SegmentReader(
-                read_verified(fileio, ref), fileio.url(fileio.relative(ref.location))
-            )
-            readers[handle.location] = reader
         table = reader.read_block(handle.block, handle.writer_id).drop_columns(["writer"])
-        mask = pc.greater_equal(table["sqn"], from_sqn)
-        if key_groups is not None:
-            kg = table["key_group"]
-            in_range = pc.and_(pc.greater_equal(kg, key_groups[0]), pc.less(kg, key_groups[1]))
-            mask = pc.and_(mask, pc.or_(in_range, pc.equal(kg, META_KEY_GROUP)))
-        yield table.filter(mask)
+        kg = table["key_group"]
+        if span is not None and handle.sqn_start >= newest and table.num_rows:
+            low, high = (s.as_py() for s in pc.min_max(kg).values())
+            if high < span[1] and (low >= span[0] or (low == META_KEY_GROUP and span[0] == 0)):
+                out.append(table)  # every record passes
+                continue
+        sqn = table["sqn"]
+        keep = pc.equal(kg, META_KEY_GROUP)
+        for start, end, first in runs:
+            in_run = pc.and_(pc.greater_equal(kg, start), pc.less(kg, end))
+            keep = pc.or_(keep, pc.and_(in_run, pc.greater_equal(sqn, first)))
+        out.append(table.filter(keep))
+    return out
