@@ -335,8 +335,10 @@ class _Replay:
     def add(self, table: pa.Table) -> None:
         """One block of changes (:data:`dstl.changelog.BLOCK_SCHEMA`), in log order."""
         backend, location, states = self.backend, self.location, self.states
+        names, codes = _state_codes(table["state"])
         if states is not None:
-            table = table.filter(pc.is_in(table["state"], pa.array(sorted(states), pa.string())))
+            wanted = np.isin(codes, [i for i, name in enumerate(names) if name in states])
+            table, codes = table.filter(pa.array(wanted)), codes[wanted]
         is_meta = pc.equal(table["op"], int(Op.META))
         if pc.any(is_meta).as_py():
             metas = table.filter(is_meta)
@@ -350,37 +352,35 @@ class _Replay:
                     known.check_compatible(meta)
                 else:
                     backend.register_restored(meta)
-            table = table.filter(pc.invert(is_meta))
+            kept = pc.invert(is_meta)
+            codes = codes[kept.to_numpy(zero_copy_only=False)]
+            table = table.filter(kept)
         n = table.num_rows
         if n == 0:
             return
-        # Which state each row is of (codes), which ops each state has, and where the
-        # state changes: a writer hands each state's records over in runs (its buffer of
-        # up to 4096), so a foldable state is gathered as zero-copy slices, not filtered.
-        states_col = pc.dictionary_encode(table["state"]).combine_chunks()
-        names = states_col.dictionary.to_pylist()
-        codes = states_col.indices.to_numpy(zero_copy_only=False)
-        op_col = table["op"].combine_chunks().to_numpy(zero_copy_only=False).astype(np.int64)
-        seen = np.bincount(codes * 256 + (op_col & 0xFF), minlength=len(names) * 256)
+        # Where the state changes: a writer hands each state's records over in runs (its
+        # buffer of up to 4096), so a foldable state is gathered as zero-copy slices.
         starts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
         bounds = list(zip([0, *starts.tolist()], [*starts.tolist(), n], strict=True))
         columns = table.select(["key_group", "key", "op", "value"])
-        for i, name in enumerate(names):
+        block_ops = set(pc.unique(table["op"]).to_pylist())
+        present = np.flatnonzero(np.bincount(codes, minlength=len(names))).tolist()
+        for i in present:
+            name = names[i]
             declared = backend.state_metas().get(name)
             if declared is None:
                 raise CorruptionError(f"change of undeclared state {name!r}", location)
             set_op = _FOLDABLE.get(declared.kind)
-            ops = {
-                op if op < 128 else op - 256
-                for op in np.flatnonzero(seen[i * 256 : (i + 1) * 256]).tolist()
-            }
+            ops = block_ops
+            if set_op is not None and not ops <= {set_op, int(Op.CLEAR)} and len(present) > 1:
+                ops = set(pc.unique(table["op"].filter(pa.array(codes == i))).to_pylist())
             if set_op is not None and ops <= {set_op, int(Op.CLEAR)}:
                 for start, end in bounds:
                     if codes[start] == i:
                         self._gather(name, columns.slice(start, end - start))
             else:
                 self._fold(name)  # whatever was gathered first (this raises as corrupt)
-                part = table if len(names) == 1 else table.filter(pc.equal(codes, i))
+                part = table if len(present) == 1 else table.filter(pa.array(codes == i))
                 _replay_rows(backend, declared, part, location)
 
     def _gather(self, name: str, part: pa.Table) -> None:
@@ -402,6 +402,19 @@ class _Replay:
         """Load every gathered state (its last change per key)."""
         for name in list(self._pending):
             self._fold(name)
+
+
+def _state_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndarray[Any, Any]]:
+    """The state names of a block's ``state`` column and each row's index into them."""
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            column = column.chunk(0)
+        else:  # chunks may have different dictionaries: encode them again, together
+            column = column.cast(pa.string()).combine_chunks()
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    codes = column.indices.to_numpy(zero_copy_only=False)
+    return column.dictionary.to_pylist(), codes
 
 
 def _last_per_key(part: pa.Table) -> pa.Table:
@@ -540,7 +553,7 @@ def restore_into(
         started = time.perf_counter()
         for m in dict.fromkeys(h.materialized):
             _load_materialization(backend, fileio, m, rng, trusted, states)
-        loaded = time.perf_counter()
+        loaded, loaded_cpu = time.perf_counter(), time.process_time()
         by_writer: dict[str, list[ChangelogHandle]] = {}
         for c in dict.fromkeys(h.changelog):  # a block listed twice is replayed once
             by_writer.setdefault(c.writer_id, []).append(c)
@@ -552,13 +565,15 @@ def restore_into(
                 replay.add(table)
             replay.finish()
         log.info(
-            "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f",
+            "restored backend=%s key_groups=%d-%d materialized_ms=%.1f changes=%d replay_ms=%.1f "
+            "replay_cpu_ms=%.1f",
             h.backend_id,
             rng.start,
             rng.end,
             (loaded - started) * 1e3,
             changes,
             (time.perf_counter() - loaded) * 1e3,
+            (time.process_time() - loaded_cpu) * 1e3,  # the process's: a loaded machine's
         )
 
 
@@ -573,7 +588,8 @@ def _uncovered_changes(
     ``handle`` holds: each key group's from the sqn its own materialization covers
     (:meth:`~backends.handles.KeyedStateHandle.replay_segments`), in one read and at
     most one Arrow filter per block."""
-    return read_changes(fileio, logs, runs=handle.replay_segments(writer_id, rng))
+    runs = handle.replay_segments(writer_id, rng)
+    return read_changes(fileio, logs, runs=runs, state_dictionary=True)
 
 
 def _intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:

@@ -680,13 +680,17 @@ def read_changes(
     from_sqn: int = 0,
     key_groups: tuple[int, int] | None = None,
     runs: Sequence[tuple[int, int, int]] | None = None,
+    state_dictionary: bool = False,
 ) -> Iterator[pa.Table]:
-    """Yield the changes of ``handles`` in order, as tables of :data:`BLOCK_SCHEMA`.
+    """Yield the changes of ``handles`` in order, as tables of :data:`BLOCK_SCHEMA`
+    (``state_dictionary``: with ``state`` as a dictionary array, see
+    :class:`~dstl.segment.SegmentReader`).
 
     Keeps records with ``sqn >= from_sqn`` and, if ``key_groups=(start, end)`` is given,
     only those in that half-open key-group range. ``runs`` (instead of both): records of
     key groups ``[start, end)`` with ``sqn >= from_sqn``, per ``(start, end, from_sqn)``
-    run; none outside the runs. Metadata records always pass. A block all of whose
+    run; none outside the runs. Metadata records pass from the lowest of those sqns on,
+    whatever their key group. A block all of whose
     records pass is yielded as read (no filter copies it). Reads each segment file once
     even when several handles point into it (adjacent handles of one file), up to
     :data:`READ_AHEAD` files ahead on threads of its own, stopped when the generator is.
@@ -700,30 +704,34 @@ def read_changes(
     groups = [list(g) for _, g in itertools.groupby(handles, key=lambda h: h.location)]
     if len(groups) <= 1 or READ_AHEAD < 1:
         for group in groups:
-            yield from _read_segment(fileio, group, runs)
+            yield from _read_segment(fileio, group, runs, state_dictionary)
         return
     pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="dstl-read")
     try:
         ahead: list[Future[list[pa.Table]]] = []
         todo = iter(groups)
         for group in itertools.islice(todo, READ_AHEAD):
-            ahead.append(pool.submit(_read_segment, fileio, group, runs))
+            ahead.append(pool.submit(_read_segment, fileio, group, runs, state_dictionary))
         while ahead:
             tables = ahead.pop(0).result()
             nxt = next(todo, None)
             if nxt is not None:
-                ahead.append(pool.submit(_read_segment, fileio, nxt, runs))
+                ahead.append(pool.submit(_read_segment, fileio, nxt, runs, state_dictionary))
             yield from tables
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _read_segment(
-    fileio: FileIO, handles: list[ChangelogHandle], runs: list[tuple[int, int, int]]
+    fileio: FileIO,
+    handles: list[ChangelogHandle],
+    runs: list[tuple[int, int, int]],
+    state_dictionary: bool,
 ) -> list[pa.Table]:
     """The changes of ``handles`` (blocks of one segment file) that ``runs`` keep."""
     ref = handles[0].file_refs()[0]
-    reader = SegmentReader(read_verified(fileio, ref), fileio.url(fileio.relative(ref.location)))
+    url = fileio.url(fileio.relative(ref.location))
+    reader = SegmentReader(read_verified(fileio, ref), url, state_dictionary)
     newest = max((f for _, _, f in runs), default=0)
     whole = all(a[1] == b[0] for a, b in itertools.pairwise(runs))  # one contiguous span
     span = (runs[0][0], runs[-1][1]) if runs and whole else None
@@ -737,7 +745,8 @@ def _read_segment(
                 out.append(table)  # every record passes
                 continue
         sqn = table["sqn"]
-        keep = pc.equal(kg, META_KEY_GROUP)
+        lowest = min((f for _, _, f in runs), default=0)
+        keep = pc.and_(pc.equal(kg, META_KEY_GROUP), pc.greater_equal(sqn, lowest))
         for start, end, first in runs:
             in_run = pc.and_(pc.greater_equal(kg, start), pc.less(kg, end))
             keep = pc.or_(keep, pc.and_(in_run, pc.greater_equal(sqn, first)))

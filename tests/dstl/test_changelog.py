@@ -200,3 +200,34 @@ def test_truncate_drops_buffered_changes_below_the_materialization(
     handles = w.persist(boundary, 1).result()
     assert sum(h.rows for h in handles) == 1
     assert _rows(fileio, handles, from_sqn=boundary) == [b"new"]
+
+
+def test_read_changes_keeps_each_run_from_its_own_sqn(
+    fileio: FileIO, storage: ChangelogStorage
+) -> None:
+    """Key groups [0, 4) from sqn 1, [4, 8) from sqn 0 (a state merged from two old
+    ranges), metadata from the lowest; blocks that all pass come back as read, others
+    filtered."""
+    w = storage.create_writer("a")
+    w.append_meta("s", 9, b"meta")
+    for kg in (0, 5, 9):
+        w.append(kg, "s", 1, b"k", None, f"old{kg}".encode())
+    first = w.persist(0, 1).result()
+    for kg in (1, 6):
+        w.append(kg, "s", 1, b"k", None, f"new{kg}".encode())
+    handles = w.persist(0, 2).result()
+    assert handles[0] == first[0]
+
+    def values(**kw: object) -> list[bytes]:
+        return [v for t in read_changes(fileio, handles, **kw) for v in t["value"].to_pylist()]
+
+    assert values(runs=[(0, 4, 1), (4, 8, 0)]) == [b"meta", b"old5", b"new1", b"new6"]
+    assert values(runs=[(0, 8, 0)]) == [b"meta", b"old0", b"old5", b"new1", b"new6"]
+    assert values(runs=[(0, 8, 1)]) == [b"new1", b"new6"]
+    assert values(from_sqn=1, key_groups=(0, 4)) == [b"new1"]
+    assert values() == [b"meta", b"old0", b"old5", b"old9", b"new1", b"new6"]
+    tables = list(read_changes(fileio, handles, runs=[(0, 8, 0)], state_dictionary=True))
+    assert pa.types.is_dictionary(tables[0].schema.field("state").type)
+    assert tables[0]["state"].to_pylist() == ["s"] * 3
+    with pytest.raises(ValueError):
+        list(read_changes(fileio, handles, from_sqn=1, runs=[(0, 8, 0)]))
