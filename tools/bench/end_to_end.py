@@ -7,8 +7,11 @@ second, default materialization, default DSTL options, local disk, SQLite. The f
 1% of the keys (``hot``, labelled). Each case runs in a worker process: the load, then
 ``seconds`` of measurement, then SIGKILL; then a second worker restores from the latest
 completed checkpoint and stops. Cases: heap and RocksDB, changelog on and off, uniform
-and hot keys; the peer (Apache Flink, :mod:`tools.bench.peers`) runs in the same run
-when its virtualenv can be made.
+and hot keys, and ``long-log`` (labelled: uniform keys with materialization off, so the
+restore replays every change since the start, millions of them: what the
+``replay_changes_per_s`` headline measures; the short log a kill leaves at default
+settings measures fixed costs); the peer (Apache Flink, :mod:`tools.bench.peers`) runs
+in the same run when its virtualenv can be made.
 
 Per case: ``records_per_s`` (measurement window), ``records_per_s_mat`` (only while a
 materialization is in flight: snapshot to upload done) over ``records_per_s_idle``
@@ -17,9 +20,12 @@ materialization is in flight: snapshot to upload done) over ``records_per_s_idle
 commit, everything but the barrier's wait in queues); materialization duration
 (sync + upload) p50/max and its sync part max; ``log_at_kill`` (change records the
 restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
-included) and ``replay_per_s`` (changes folded per second, from the restore's log line);
+included) and ``replay_per_s`` (changes replayed per second: read, fold and load of the
+log, timed by the restore itself and logged; materialized tables not included);
 ``space_amp`` (the largest full checkpoint of the window over the live state, one
-compact zstd Parquet table per state); files and bytes new per checkpoint; peak RSS.
+compact zstd Parquet table per state) and what that checkpoint is made of, ``amp_mat``
+(materialized files) and ``amp_log`` (log segments) over the live state; files and bytes
+new per checkpoint; peak RSS.
 
 ``python -m tools.bench run end-to-end [--quick] --json OUT``; the worker is
 ``python -m tools.bench.end_to_end worker ...`` (one attempt, JSON lines on stdout).
@@ -60,7 +66,10 @@ COLUMNS = [
     "log_at_kill",
     "restore_s",
     "replay_per_s",
+    "replay_per_cpu_s",
     "space_amp",
+    "amp_mat",
+    "amp_log",
     "files_per_cp",
     "bytes_per_cp",
     "peak_rss_mb",
@@ -137,6 +146,7 @@ def worker(args: argparse.Namespace) -> int:
         checkpoint=CheckpointOptions(interval_s=1.0),
         state_backend=args.backend,
         changelog_enabled=args.changelog == "on",
+        materialization="offline" if args.long_log else "online",  # offline: log only
         local_dir=os.path.join(store, "local"),
     )
 
@@ -152,6 +162,7 @@ def worker(args: argparse.Namespace) -> int:
                 "commit_ms": (time.time() - cp.completed_at) * 1e3,
                 "offset": cp.states_of("source")[0].offset,
                 "operator": op,
+                **_size_breakdown(cp),
                 **stats,
             }
         )
@@ -174,6 +185,26 @@ def worker(args: argparse.Namespace) -> int:
     result = runtime.run()
     _emit({"event": "finished", "restore_s": result.restore_s, "rss_kb": _rss_kb()})
     return 0
+
+
+def _size_breakdown(cp: Any) -> dict[str, int]:
+    """What the operator's part of checkpoint ``cp`` is made of: bytes of materialized
+    files (``bytes_mat``), of log segments (``bytes_log``), and the log's change rows."""
+    from backends.handles import KeyedStateHandle
+
+    mat: dict[str, int] = {}
+    seg: dict[str, int] = {}
+    rows = 0
+    for s in cp.states_of(OPERATOR):
+        for h in s.handles:
+            if not isinstance(h, KeyedStateHandle):
+                continue
+            for m in h.materialized:
+                mat.update((r.location, r.size_bytes) for r in m.file_refs())
+            for c in h.changelog:
+                seg[c.location] = c.size_bytes
+                rows += c.rows
+    return {"bytes_mat": sum(mat.values()), "bytes_log": sum(seg.values()), "log_rows": rows}
 
 
 def _rss_kb() -> int:
@@ -313,6 +344,8 @@ def _worker_cmd(store: str, case: dict[str, Any], restore_only: bool) -> list[st
         "--keys", str(case["keys"]),
         "--hot", str(case["hot"]),
     ]  # fmt: skip
+    if case.get("long_log"):
+        cmd.append("--long-log")
     return [*cmd, "--restore-only"] if restore_only else cmd
 
 
@@ -321,7 +354,13 @@ def run_case(
 ) -> dict[str, Any]:
     """One case of ours: run, kill, restore; see the module docstring for the fields."""
     hot = max(1, keys // 100) if pattern == "hot" else 0
-    case = {"store": store_kind, "changelog": changelog, "keys": keys, "hot": hot}
+    case = {
+        "store": store_kind,
+        "changelog": changelog,
+        "keys": keys,
+        "hot": hot,
+        "long_log": pattern == "long-log",
+    }
     root = tempfile.mkdtemp(prefix="bench-e2e-")
     try:
         store = os.path.join(root, "store")
@@ -376,6 +415,7 @@ def _summarize(
         if c["operator"]
     ]
     mat_s = [e - s for s, e, _ in mats]
+    biggest = max(cps, key=lambda c: c["bytes_total"], default=None)
     finished = next((e for e in revents if e["event"] == "finished"), None)
     replay = [
         _parse_fields(e["msg"])
@@ -384,6 +424,7 @@ def _summarize(
     ]
     replayed = sum(f.get("changes", 0.0) for f in replay)
     replay_s = sum(f.get("replay_ms", 0.0) for f in replay) / 1e3
+    replay_cpu_s = sum(f.get("replay_cpu_ms", 0.0) for f in replay) / 1e3
     return {
         "system": "ours",
         "store": case["store"],
@@ -409,9 +450,16 @@ def _summarize(
         "restart_s": round(restart_s, 3),
         "restore_exit": restore_exit,
         "replay_per_s": round(replayed / replay_s) if replay_s > 0 else None,
+        # per second of the restoring process's CPU: what the replay costs, whatever else
+        # runs on the machine
+        "replay_per_cpu_s": round(replayed / replay_cpu_s) if replay_cpu_s > 0 else None,
         "replayed": int(replayed),
         "live_bytes": live,
-        "space_amp": round(max(c["bytes_total"] for c in cps) / live, 3) if cps and live else None,
+        "space_amp": round(biggest["bytes_total"] / live, 3) if biggest and live else None,
+        # what the largest checkpoint is made of, over the live state
+        "amp_mat": round(biggest.get("bytes_mat", 0) / live, 3) if biggest and live else None,
+        "amp_log": round(biggest.get("bytes_log", 0) / live, 3) if biggest and live else None,
+        "amp_log_rows": biggest.get("log_rows") if biggest else None,
         "files_per_cp": round(median(c["files_new"] for c in cps), 1) if cps else None,
         "bytes_per_cp": round(median(c["bytes_new"] for c in cps)) if cps else None,
         "peak_rss_mb": round(max((e.get("rss_kb", 0) for e in events), default=0) / 1024, 1),
@@ -432,15 +480,21 @@ def _headline(cases: list[dict[str, Any]], peer: dict[str, Any] | None) -> dict[
         "records_per_s_rocksdb": rocks["records_per_s"],
         "restore_s_heap": heap["restore_s"],
         "restore_s_rocksdb": rocks["restore_s"],
+        # the replay of a long log (millions of changes, materialization off), the slower
+        # store's: the short log left at a kill with default settings measures fixed costs
         "replay_changes_per_s": min(
-            (c["replay_per_s"] for c in (heap, rocks) if c["replay_per_s"]), default=None
+            (c["replay_per_s"] for c in cases if c["pattern"] == "long-log" and c["replay_per_s"]),
+            default=None,
         ),
         "materialization_s_max_heap": heap["mat_max_s"],
         "materialization_throughput_ratio_heap": heap["mat_throughput_ratio"],
         "space_amplification": max(  # ours (the peer's case has one too)
             c["space_amp"]
             for c in cases
-            if c["system"] == "ours" and c["changelog"] == "on" and c["space_amp"]
+            if c["system"] == "ours"
+            and c["changelog"] == "on"
+            and c["pattern"] != "long-log"
+            and c["space_amp"]
         ),
         "own_checkpoint_p99_ms": max(c["own_p99_ms"] for c in (heap, rocks)),
         "materialization_sync_max_ms_rocksdb": rocks["mat_sync_max_ms"],
@@ -477,6 +531,8 @@ def run(quick: bool) -> dict[str, Any]:
         ("rocksdb", "on", "hot"),
         ("heap", "off", "uniform"),
         ("rocksdb", "off", "uniform"),
+        ("heap", "on", "long-log"),
+        ("rocksdb", "on", "long-log"),
     ]
     if quick:
         plan = plan[:2] + plan[4:]
@@ -502,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, required=True)
     parser.add_argument("--hot", type=int, default=0)
     parser.add_argument("--restore-only", action="store_true")
+    parser.add_argument(
+        "--long-log", action="store_true", help="no materialization: the log only grows"
+    )
     return worker(parser.parse_args(argv))
 
 
