@@ -417,6 +417,30 @@ def _state_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndar
     return column.dictionary.to_pylist(), codes
 
 
+def _store_order(rows: pa.Table) -> pa.Array:
+    """Indices that sort ``rows`` by key group, then key bytes (RocksDB's order of them).
+    Folded rows have one row per key: 8-byte keys sort as big-endian unsigned integers
+    in numpy, then a stable (radix) pass over the 16-bit key groups; others in Arrow."""
+    keys = _fixed8(rows["key"].combine_chunks())
+    if keys is None:
+        return pc.sort_indices(rows, [("key_group", "ascending"), ("key", "ascending")])
+    order = np.argsort(keys.byteswap().view("<u8"))
+    groups = rows["key_group"].to_numpy()[order].astype(np.uint16)  # < max parallelism
+    return pa.array(order[np.argsort(groups, kind="stable")])
+
+
+def _fixed8(keys: pa.Array) -> np.ndarray[Any, Any] | None:
+    """The bytes of a binary column of 8-byte values as little-endian int64s (no copy),
+    or None if some value is another length (or null)."""
+    if not len(keys) or keys.null_count:
+        return None
+    low, high = (s.as_py() for s in pc.min_max(pc.binary_length(keys)).values())
+    if not low == high == 8:
+        return None
+    first = np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0]
+    return np.frombuffer(keys.buffers()[2], "<i8", len(keys), int(first))
+
+
 def _last_per_key(part: pa.Table) -> pa.Table:
     """The last row per key of ``part``, in log order (a key's bytes decide its key
     group, so the key alone identifies the entry). One hash pass over the keys, no
@@ -427,14 +451,8 @@ def _last_per_key(part: pa.Table) -> pa.Table:
     if part.num_rows < 2:
         return part
     keys = part["key"].combine_chunks()
-    lengths = pc.binary_length(keys)
-    low, high = (s.as_py() for s in pc.min_max(lengths).values())
-    if low == high == 8 and keys.null_count == 0:
-        offset = np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0]
-        codes: np.ndarray[Any, Any] = np.frombuffer(
-            keys.buffers()[2], "<i8", len(keys), int(offset)
-        )
-    else:
+    codes = _fixed8(keys)
+    if codes is None:
         codes = pc.dictionary_encode(keys).indices.to_numpy()
     repeated = pd.Series(codes, copy=False).duplicated(keep="last").to_numpy()
     return part.filter(pa.array(~repeated))
@@ -458,6 +476,9 @@ def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) ->
         return
     load_serialized = getattr(backend, "load_serialized_values", None)
     if load_serialized is not None:  # a store of bytes (RocksDB) takes the log's bytes
+        # in its key order (key group, then key bytes: fixed-width keys compare as their
+        # bytes): RocksDB inserts a sorted batch several times faster than a random one
+        rows = rows.take(_store_order(rows))
         load_serialized(
             meta,
             rows["key_group"].combine_chunks(),
