@@ -231,3 +231,22 @@ def test_read_changes_keeps_each_run_from_its_own_sqn(
     assert tables[0]["state"].to_pylist() == ["s"] * 3
     with pytest.raises(ValueError):
         list(read_changes(fileio, handles, from_sqn=1, runs=[(0, 8, 0)]))
+
+
+def test_log_size_counts_what_a_persist_would_reference(
+    fileio: FileIO, storage: ChangelogStorage
+) -> None:
+    w = storage.create_writer("a")
+    assert w.log_size() == (0, 0)
+    for i in range(100):
+        w.append(i % 8, "s", 1, b"k%d" % i, None, b"v" * 20)
+    assert w.log_size() == (800, 100)  # nothing uploaded yet: 8 bytes a row, a guess
+    (h,) = w.persist(0, 1).result()
+    assert w.log_size() == (h.size_bytes, 100)  # uploaded: the segment's size
+    for _ in range(50):
+        w.append(0, "s", 1, b"k", None, b"v")
+    per_row = h.size_bytes / 100
+    assert w.log_size() == (h.size_bytes + round(50 * per_row), 150)  # at the rate seen
+    boundary = w.next_sqn()
+    w.truncate(boundary)  # materialized: nothing left to reference
+    assert w.log_size() == (0, 0)
