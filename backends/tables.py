@@ -90,10 +90,11 @@ def table_for(
     value = meta.raw_value_ser()
     # Value-like state: whole key groups at a time, no Python loop over the entries.
     parts = [table[kg] for kg in groups]
-    kgs = pa.concat_arrays(
-        [pa.repeat(pa.scalar(kg, pa.int32()), len(m)) for kg, m in zip(groups, parts, strict=True)]
-        or [pa.array([], pa.int32())]
-    )
+    # array repetition, not pa.repeat: its scalar imports pandas on first use (0.7 s)
+    groups_packed = array.array("i")
+    for kg, m in zip(groups, parts, strict=True):
+        groups_packed.extend(array.array("i", [kg]) * len(m))
+    kgs = pa.Array.from_buffers(pa.int32(), len(groups_packed), [None, pa.py_buffer(groups_packed)])
     keys = _column(key_serializer, chain.from_iterable(parts))
     values = _column(value, chain.from_iterable(m.values() for m in parts))
     return pa.Table.from_arrays([kgs, keys, values], schema=schema)
