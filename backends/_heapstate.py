@@ -11,7 +11,7 @@ from dstl import _records
 from dstl.native import load
 
 if TYPE_CHECKING:
-    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext
+    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext, pack
 
     NATIVE: bool
 else:
@@ -20,6 +20,7 @@ else:
     HeapValue = _impl.HeapValue
     HeapList = _impl.HeapList
     HeapMap = _impl.HeapMap
+    pack = _impl.pack
     NATIVE = _impl.__name__ == "backends._heapstate_c"
 
-__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext"]
+__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext", "pack"]
