@@ -154,7 +154,7 @@ class ForkedSnapshot:
 
     def __post_init__(self) -> None:
         self._finalizer = weakref.finalize(
-            self, _reap, self.pid, [self._request_fd, self._pieces_fd]
+            self, _reap, os.getpid(), self.pid, [self._request_fd, self._pieces_fd]
         )
 
     @property
@@ -173,7 +173,7 @@ class ForkedSnapshot:
         if not self._finalizer.alive:
             raise SnapshotProcessError("the forked snapshot was released")
         self._finalizer.detach()  # from here on, the request end is closed below
-        self._finalizer = weakref.finalize(self, _reap, self.pid, [self._pieces_fd])
+        self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, [self._pieces_fd])
         try:
             os.write(self._request_fd, _REQUEST.pack(-1 if piece_rows is None else piece_rows))
         except BrokenPipeError:
@@ -202,7 +202,9 @@ class ForkedSnapshot:
         self._finalizer()
 
 
-def _reap(pid: int, fds: list[int]) -> None:
+def _reap(owner: int, pid: int, fds: list[int]) -> None:
+    if os.getpid() != owner:  # a fork of the owner (at its exit): neither is its own
+        return
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
