@@ -25,9 +25,10 @@
  *     value frames every element (dstl._records_c append_typed_list). The objects are
  *     read-only from Python (``_backend``, ``_table``) and meant as bases for the Python
  *     state classes.
- * pack(dicts, values, kind)
+ * pack(dicts, values, kind), pack_text(dicts, values, kind)
  *     The keys (or values) of the dicts, packed as native int64 ("q") or float64 ("d")
- *     exactly as array.array packs them: a heap materialization's key and value columns.
+ *     exactly as array.array packs them, or as an Arrow string/binary column's offsets
+ *     and data: a heap materialization's key and value columns.
  *
  * Why not Cython (measured for issue 17 with a Cython 3.3 port of the logged value update,
  * alternating processes, ns per update with the key switch): this C 342, the C before the
@@ -48,6 +49,7 @@
 #include <Python.h>
 #include "records_capi.h"
 #include <stddef.h>
+#include <stdint.h>
 
 #if PY_VERSION_HEX < 0x030C0000 /* 3.12 moved these into Python.h, with a Py_ prefix */
 #include <structmember.h>
@@ -682,10 +684,144 @@ fail:
     return NULL;
 }
 
+/* The UTF-8 (str) or raw (bytes) contents of ``obj`` if it is an exact str (kind 's') or
+ * exact bytes ('b'); NULL without an exception otherwise (the caller falls back), and
+ * NULL with an exception only for memory errors. Runs no Python code. */
+static const char *
+text_of(PyObject *obj, int is_str, Py_ssize_t *size)
+{
+    if (is_str) {
+        if (!PyUnicode_CheckExact(obj)) {
+            return NULL;
+        }
+        const char *utf8 = PyUnicode_AsUTF8AndSize(obj, size);
+        if (utf8 == NULL && PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+            PyErr_Clear(); /* a lone surrogate: the fallback raises what Arrow raises */
+        }
+        return utf8;
+    }
+    if (!PyBytes_CheckExact(obj)) {
+        return NULL;
+    }
+    *size = PyBytes_GET_SIZE(obj);
+    return PyBytes_AS_STRING(obj);
+}
+
+static PyObject *
+hs_pack_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyUnicode_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "pack_text(dicts, values, kind) takes 3 arguments");
+        return NULL;
+    }
+    int values = PyObject_IsTrue(args[1]);
+    if (values < 0) {
+        return NULL;
+    }
+    int is_str;
+    if (PyUnicode_CompareWithASCIIString(args[2], "s") == 0) {
+        is_str = 1;
+    }
+    else if (PyUnicode_CompareWithASCIIString(args[2], "b") == 0) {
+        is_str = 0;
+    }
+    else {
+        PyErr_SetString(PyExc_ValueError, "pack_text: kind must be 's' or 'b'");
+        return NULL;
+    }
+    PyObject *dicts = PySequence_Tuple(args[0]);
+    if (dicts == NULL) {
+        return NULL;
+    }
+    PyObject *offsets = NULL, *data = NULL, *result = NULL;
+    PyObject **ptrs = NULL;
+    Py_ssize_t ndicts = PyTuple_GET_SIZE(dicts), count = 0, total = 0, size;
+    for (Py_ssize_t i = 0; i < ndicts; i++) {
+        PyObject *d = PyTuple_GET_ITEM(dicts, i);
+        if (!PyDict_Check(d)) {
+            PyErr_Format(PyExc_TypeError, "pack_text: expected dicts, got %.100s",
+                         Py_TYPE(d)->tp_name);
+            goto done;
+        }
+        count += PyDict_GET_SIZE(d);
+    }
+    /* The items first (the dicts' entries are contiguous), then the objects, which lie all
+     * over the heap, loaded PACK_AHEAD ahead (as in pack_exact). Nothing below runs
+     * Python code, so the borrowed pointers stay valid. */
+    ptrs = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(PyObject *));
+    if (ptrs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < ndicts; i++) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(PyTuple_GET_ITEM(dicts, i), &pos, &key, &value)) {
+            ptrs[k++] = values ? value : key;
+        }
+    }
+    for (Py_ssize_t j = 0; j < count; j++) {
+#if defined(__GNUC__) || defined(__clang__)
+        if (j + PACK_AHEAD < count) {
+            __builtin_prefetch(ptrs[j + PACK_AHEAD]);
+        }
+#endif
+        if (text_of(ptrs[j], is_str, &size) == NULL) {
+            if (!PyErr_Occurred()) {
+                result = Py_NewRef(Py_None);
+            }
+            goto done;
+        }
+        total += size;
+        if (total > INT32_MAX) { /* past Arrow's 32-bit offsets: the fallback decides */
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    offsets = PyBytes_FromStringAndSize(NULL, (count + 1) * 4);
+    data = PyBytes_FromStringAndSize(NULL, total);
+    if (offsets == NULL || data == NULL) {
+        goto done;
+    }
+    int32_t *off = (int32_t *)PyBytes_AS_STRING(offsets);
+    char *out = PyBytes_AS_STRING(data);
+    Py_ssize_t at = 0;
+    off[0] = 0;
+    for (Py_ssize_t j = 0; j < count; j++) {
+#if defined(__GNUC__) || defined(__clang__)
+        if (j + PACK_AHEAD < count) {
+            __builtin_prefetch(ptrs[j + PACK_AHEAD]);
+        }
+#endif
+        const char *text = text_of(ptrs[j], is_str, &size);
+        if (text == NULL) { /* checked above; only a memory error can get here */
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError, "pack_text: an item changed");
+            }
+            goto done;
+        }
+        memcpy(out + at, text, (size_t)size);
+        at += size;
+        off[j + 1] = (int32_t)at;
+    }
+    result = PyTuple_Pack(2, offsets, data);
+done:
+    PyMem_Free(ptrs);
+    Py_DECREF(dicts);
+    Py_XDECREF(offsets);
+    Py_XDECREF(data);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"pack", (PyCFunction)(void (*)(void))hs_pack, METH_FASTCALL,
      "pack(dicts, values, kind) -> bytes: the keys (values false) or values of the dicts, "
      "in order, as native int64 (kind 'q') or float64 ('d'), as array.array packs them"},
+    {"pack_text", (PyCFunction)(void (*)(void))hs_pack_text, METH_FASTCALL,
+     "pack_text(dicts, values, kind) -> (offsets, data) | None: the keys or values of the "
+     "dicts as an Arrow string (kind 's', exact str) or binary ('b', exact bytes) column's "
+     "int32 offsets and data; None if an item is of another type or they pass 2 GiB"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,6 +15,11 @@
     ``replace(items)`` makes the list ``items`` (stored as it is) the current key's
     list, logged as one record framing every element. ``_backend`` and ``_table`` are
     read-only; a second ``__init__`` raises RuntimeError and changes nothing.
+``pack_text(dicts, values, kind)``
+    The keys or values of ``dicts`` as an Arrow string (``kind`` ``"s"``, exact ``str``
+    items) or binary (``"b"``, exact ``bytes``) column: ``(offsets, data)``, the int32
+    offsets and the bytes; ``None`` if an item is of another type, a str does not encode
+    as UTF-8, or the data pass 2 GiB (the caller then converts the list as Arrow does).
 ``pack(dicts, values, kind)``
     The keys (``values`` false) or values of every dict of ``dicts``, in order, packed as
     native int64 (``kind`` ``"q"``) or float64 (``"d"``) bytes exactly as
@@ -189,3 +194,32 @@ def pack(dicts: Iterable[dict[Any, Any]], values: bool, kind: str, /) -> bytes:
     parts = list(dicts)
     items = chain.from_iterable(d.values() for d in parts) if values else chain.from_iterable(parts)
     return array.array(kind, items).tobytes()
+
+
+def pack_text(
+    dicts: Iterable[dict[Any, Any]], values: bool, kind: str, /
+) -> tuple[bytes, bytes] | None:
+    """The keys or values of ``dicts`` as a string or binary column (see the module doc)."""
+    if kind not in ("s", "b"):
+        raise ValueError("pack_text: kind must be 's' or 'b'")
+    parts = list(dicts)
+    items = chain.from_iterable(d.values() for d in parts) if values else chain.from_iterable(parts)
+    chunks: list[bytes] = []
+    offsets = array.array("i", [0])
+    total = 0
+    for item in items:
+        if kind == "b" and type(item) is bytes:
+            chunk = item
+        elif kind == "s" and type(item) is str:
+            try:
+                chunk = item.encode()
+            except UnicodeEncodeError:
+                return None
+        else:
+            return None
+        total += len(chunk)
+        if total > 0x7FFFFFFF:
+            return None
+        chunks.append(chunk)
+        offsets.append(total)
+    return offsets.tobytes(), b"".join(chunks)

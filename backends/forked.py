@@ -103,6 +103,7 @@ def fork_snapshot(
     Expired TTL entries are purged first, as :meth:`HeapKeyedStateBackend.snapshot` does.
     Falls back to that copy (and logs why) if the fork fails.
     """
+    _import_lazy_modules()
     backend.purge_expired()
     view = StateSnapshot(
         backend.key_serializer,
@@ -132,6 +133,23 @@ def fork_snapshot(
         fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
     return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r)
+
+
+_lazy_imported = False
+
+
+def _import_lazy_modules() -> None:
+    """Make pyarrow import what it imports on first use, once per process, before a fork.
+
+    Its first ``pa.array`` of a Python list imports pandas (when installed): 0.7 s of CPU.
+    A child's imports die with it, so without this every child encoding a column through
+    ``pa.array`` (strings, lists, maps, pickled values) paid it again. The parent pays it
+    once, at its first fork (the copy it replaces paid it at its first encoding).
+    """
+    global _lazy_imported
+    if not _lazy_imported:
+        pa.array([0], pa.int64())
+        _lazy_imported = True
 
 
 @dataclass(slots=True, eq=False, weakref_slot=True)

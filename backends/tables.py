@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from backends._heapstate import pack
+from backends._heapstate import pack, pack_text
 from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
 from backends.serializers import Serializer, serializer_for
 from backends.snapshot import SnapshotFile
@@ -104,15 +104,26 @@ def table_for(
 _ARRAY_CODES = {"int64": "q", "float64": "d"}
 """Serializers whose values :mod:`array` packs as Arrow lays them out (native order)."""
 
+_TEXT_CODES = {"str": "s", "bytes": "b"}
+"""Serializers whose exact str / bytes values :func:`backends._heapstate.pack_text` lays
+out as Arrow's string / binary columns (what ``to_arrow`` makes of them)."""
+
 
 def _column(serializer: Serializer, parts: list[dict[Any, Any]], values: bool) -> pa.Array:
     """``serializer.to_arrow`` of the keys (or ``values``) of ``parts``; int64 and float64
-    packed straight from the dicts by :func:`backends._heapstate.pack` (no Python list in
-    between, and in C no reference taken to an exact int or float, so a forked snapshot
-    child copies no page for them). Refuses what the serializer refuses (a float for
+    packed straight from the dicts by :func:`backends._heapstate.pack`, str and bytes by
+    :func:`~backends._heapstate.pack_text` (no Python list in between, and in C no
+    reference taken to an exact int, float, str or bytes, so a forked snapshot child
+    copies no page for them). Refuses what the serializer refuses (a float for
     int64, an int past 64 bits); like ``INT64.serialize`` it takes a bool as 0 or 1."""
     code = _ARRAY_CODES.get(serializer.name)
     if code is None:
+        text = _TEXT_CODES.get(serializer.name)
+        packed_text = pack_text(parts, values, text) if text is not None else None
+        if packed_text is not None:
+            offsets, data = packed_text
+            buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+            return pa.Array.from_buffers(serializer.arrow_type, len(offsets) // 4 - 1, buffers)
         items = chain.from_iterable(m.values() for m in parts) if values else chain(*parts)
         return serializer.to_arrow(list(items))
     packed = pack(parts, values, code)

@@ -39,7 +39,7 @@ def test_packed_columns_are_the_serializers_columns() -> None:
     import pyarrow as pa
     import pytest
 
-    from backends.serializers import FLOAT64
+    from backends.serializers import BYTES, FLOAT64
     from backends.tables import _column
 
     ints = [0, -1, (1 << 63) - 1, -(1 << 63), 7, True]
@@ -51,7 +51,14 @@ def test_packed_columns_are_the_serializers_columns() -> None:
     assert _column(FLOAT64, [dict.fromkeys(floats, 0.0)], values=False).equals(
         FLOAT64.to_arrow(floats)
     )
-    assert _column(STR, [{"a": 1}, {"b": 2}], values=False).equals(STR.to_arrow(["a", "b"]))
+    assert _column(STR, [{"a": 1}, {"bé": 2}], values=False).equals(STR.to_arrow(["a", "bé"]))
+    texts = [{"a": "x", "b": "\ud800"}]  # a lone surrogate: refused as to_arrow refuses it
+    with pytest.raises(UnicodeEncodeError):
+        _column(STR, texts, values=True)
+    with pytest.raises(UnicodeEncodeError):
+        STR.to_arrow(["x", "\ud800"])
+    assert _column(BYTES, [{1: b"x"}, {2: b""}], values=True).equals(BYTES.to_arrow([b"x", b""]))
+    assert _column(BYTES, [{1: "s"}], values=True).equals(BYTES.to_arrow(["s"]))  # converted
     with pytest.raises(TypeError):
         _column(INT64, [{1: 1.5}], values=True)
     with pytest.raises(OverflowError):
