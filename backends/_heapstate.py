@@ -11,7 +11,7 @@ from dstl import _records
 from dstl.native import load
 
 if TYPE_CHECKING:
-    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext
+    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext, pack, pack_text
 
     NATIVE: bool
 else:
@@ -20,6 +20,8 @@ else:
     HeapValue = _impl.HeapValue
     HeapList = _impl.HeapList
     HeapMap = _impl.HeapMap
+    pack = _impl.pack
+    pack_text = _impl.pack_text
     NATIVE = _impl.__name__ == "backends._heapstate_c"
 
-__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext"]
+__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext", "pack", "pack_text"]

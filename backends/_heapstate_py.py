@@ -15,13 +15,24 @@
     ``replace(items)`` makes the list ``items`` (stored as it is) the current key's
     list, logged as one record framing every element. ``_backend`` and ``_table`` are
     read-only; a second ``__init__`` raises RuntimeError and changes nothing.
+``pack_text(dicts, values, kind)``
+    The keys or values of ``dicts`` as an Arrow string (``kind`` ``"s"``, exact ``str``
+    items) or binary (``"b"``, exact ``bytes``) column: ``(offsets, data)``, the int32
+    offsets and the bytes; ``None`` if an item is of another type, a str does not encode
+    as UTF-8, or the data pass 2 GiB (the caller then converts the list as Arrow does).
+``pack(dicts, values, kind)``
+    The keys (``values`` false) or values of every dict of ``dicts``, in order, packed as
+    native int64 (``kind`` ``"q"``) or float64 (``"d"``) bytes exactly as
+    :class:`array.array` packs them (its refusals too): a heap materialization's columns.
 
 Not thread-safe: owned by the backend's task thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import array
+from collections.abc import Callable, Iterable
+from itertools import chain
 from typing import Any
 
 from dstl import _records_py
@@ -174,3 +185,41 @@ class HeapMap(_HeapState):
     def put(self, user_key: Any, value: Any) -> None:
         """Set an entry of the current key's map."""
         self._write(user_key, value, _MAP)
+
+
+def pack(dicts: Iterable[dict[Any, Any]], values: bool, kind: str, /) -> bytes:
+    """The keys or values of ``dicts`` packed as ``kind`` (see the module doc)."""
+    if kind not in ("q", "d"):
+        raise ValueError("pack: kind must be 'q' or 'd'")
+    parts = list(dicts)
+    items = chain.from_iterable(d.values() for d in parts) if values else chain.from_iterable(parts)
+    return array.array(kind, items).tobytes()
+
+
+def pack_text(
+    dicts: Iterable[dict[Any, Any]], values: bool, kind: str, /
+) -> tuple[bytes, bytes] | None:
+    """The keys or values of ``dicts`` as a string or binary column (see the module doc)."""
+    if kind not in ("s", "b"):
+        raise ValueError("pack_text: kind must be 's' or 'b'")
+    parts = list(dicts)
+    items = chain.from_iterable(d.values() for d in parts) if values else chain.from_iterable(parts)
+    chunks: list[bytes] = []
+    offsets = array.array("i", [0])
+    total = 0
+    for item in items:
+        if kind == "b" and type(item) is bytes:
+            chunk = item
+        elif kind == "s" and type(item) is str:
+            try:
+                chunk = item.encode()
+            except UnicodeEncodeError:
+                return None
+        else:
+            return None
+        total += len(chunk)
+        if total > 0x7FFFFFFF:
+            return None
+        chunks.append(chunk)
+        offsets.append(total)
+    return offsets.tobytes(), b"".join(chunks)

@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar
 from backends._heapstate import HeapList, HeapMap, HeapValue
 from backends.backend import KeyedStateBackend
 from backends.batch import prepare_batch
+from backends.forked import materialization_snapshot
 from backends.handles import KeyedStateHandle, MaterializationHandle, replacement_problem
 from backends.heap import HeapKeyedStateBackend
 from backends.keygroups import KeyGroupRange
@@ -559,9 +560,10 @@ class ChangelogKeyedStateBackend(Generic[B]):
         return self.writer.log_size()[0]
 
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
-        """Close the active change set and copy the state (the synchronous part)."""
+        """Close the active change set and snapshot the state (the synchronous part; a
+        heap store forks, see :mod:`backends.forked`)."""
         self.flush_log()
-        return self.inner.snapshot(sqn=self.writer.next_sqn())
+        return materialization_snapshot(self.inner, self.writer.next_sqn())
 
     def materialization_done(self, handle: MaterializationHandle) -> None:
         """Later checkpoints reference ``handle`` instead of the log before ``handle.sqn``."""

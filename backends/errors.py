@@ -3,6 +3,7 @@
     StateBackendError
     ├── KeyGroupOutOfRangeError    a key hashes outside the backend's key groups
     ├── LocalStoreError            the local store (RocksDB) failed or is closed
+    ├── SnapshotProcessError       a forked snapshot's process failed or died
     └── ConfigError
         └── UnsupportedBatchError  the batch API does not support this state kind
 
@@ -24,3 +25,8 @@ class LocalStoreError(StateBackendError):
 
 class UnsupportedBatchError(ConfigError):
     """``apply_batch`` was called for a state kind it does not support."""
+
+
+class SnapshotProcessError(StateBackendError):
+    """The child process of a forked heap snapshot (:mod:`backends.forked`) failed, died
+    or stopped answering: that materialization fails (the next one forks again)."""

@@ -273,15 +273,13 @@ class HeapKeyedStateBackend(KeyContext):
     def snapshot(self, sqn: int | None = None) -> StateSnapshot:
         """A copy of all state that later mutations do not affect. O(state); task thread.
 
-        Expired TTL entries are dropped from the copy and from the live store.
+        Expired TTL entries are dropped from the copy and from the live store. (A
+        materialization forks instead: :func:`backends.forked.materialization_snapshot`.)
         """
+        self.purge_expired()
         tables: dict[str, Table] = {}
-        clock = self.clock
-        now = clock()
         for name, table in self._tables.items():
             meta = self._metas[name]
-            if meta.ttl is not None:
-                self._purge_expired(meta, table, now)
             kind = meta.kind
             if kind is StateKind.LIST:
                 tables[name] = {
@@ -298,6 +296,20 @@ class HeapKeyedStateBackend(KeyContext):
         return StateSnapshot(
             self.key_serializer, self.key_group_range, dict(self._metas), tables, sqn
         )
+
+    def purge_expired(self) -> None:
+        """Drop expired entries of every state with TTL. Task thread."""
+        clock = self.clock
+        now = clock()
+        for name, table in self._tables.items():
+            meta = self._metas[name]
+            if meta.ttl is not None:
+                self._purge_expired(meta, table, now)
+
+    def live_tables(self) -> dict[str, Table]:
+        """Every state's live dicts, by name (the dicts themselves: for a forked child,
+        whose copy no later write reaches, and for :meth:`raw_table`'s users)."""
+        return dict(self._tables)
 
     @staticmethod
     def _purge_expired(meta: StateMeta, table: Table, now: int) -> None:

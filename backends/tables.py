@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import array
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from backends._heapstate import pack, pack_text
 from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
 from backends.serializers import Serializer, serializer_for
 from backends.snapshot import SnapshotFile
@@ -90,30 +91,44 @@ def table_for(
     value = meta.raw_value_ser()
     # Value-like state: whole key groups at a time, no Python loop over the entries.
     parts = [table[kg] for kg in groups]
-    kgs = pa.concat_arrays(
-        [pa.repeat(pa.scalar(kg, pa.int32()), len(m)) for kg, m in zip(groups, parts, strict=True)]
-        or [pa.array([], pa.int32())]
-    )
-    keys = _column(key_serializer, chain.from_iterable(parts))
-    values = _column(value, chain.from_iterable(m.values() for m in parts))
+    # array repetition, not pa.repeat: its scalar imports pandas on first use (0.7 s)
+    groups_packed = array.array("i")
+    for kg, m in zip(groups, parts, strict=True):
+        groups_packed.extend(array.array("i", [kg]) * len(m))
+    kgs = pa.Array.from_buffers(pa.int32(), len(groups_packed), [None, pa.py_buffer(groups_packed)])
+    keys = _column(key_serializer, parts, values=False)
+    values = _column(value, parts, values=True)
     return pa.Table.from_arrays([kgs, keys, values], schema=schema)
 
 
 _ARRAY_CODES = {"int64": "q", "float64": "d"}
 """Serializers whose values :mod:`array` packs as Arrow lays them out (native order)."""
 
+_TEXT_CODES = {"str": "s", "bytes": "b"}
+"""Serializers whose exact str / bytes values :func:`backends._heapstate.pack_text` lays
+out as Arrow's string / binary columns (what ``to_arrow`` makes of them)."""
 
-def _column(serializer: Serializer, values: Iterable[Any]) -> pa.Array:
-    """``serializer.to_arrow`` of ``values``; int64 and float64 packed by ``array.array``
-    from the dict views, with no Python list in between (8x faster than a list and
-    ``pa.array``, and it holds the GIL, which the task thread needs, that much less).
-    Refuses what the serializer refuses (a float for int64, an int past 64 bits); like
-    ``INT64.serialize`` it takes a bool as 0 or 1."""
+
+def _column(serializer: Serializer, parts: list[dict[Any, Any]], values: bool) -> pa.Array:
+    """``serializer.to_arrow`` of the keys (or ``values``) of ``parts``; int64 and float64
+    packed straight from the dicts by :func:`backends._heapstate.pack`, str and bytes by
+    :func:`~backends._heapstate.pack_text` (no Python list in between, and in C no
+    reference taken to an exact int, float, str or bytes, so a forked snapshot child
+    copies no page for them). Refuses what the serializer refuses (a float for
+    int64, an int past 64 bits); like ``INT64.serialize`` it takes a bool as 0 or 1."""
     code = _ARRAY_CODES.get(serializer.name)
     if code is None:
-        return serializer.to_arrow(list(values))
-    packed = array.array(code, values)
-    return pa.Array.from_buffers(serializer.arrow_type, len(packed), [None, pa.py_buffer(packed)])
+        text = _TEXT_CODES.get(serializer.name)
+        packed_text = pack_text(parts, values, text) if text is not None else None
+        if packed_text is not None:
+            offsets, data = packed_text
+            buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+            return pa.Array.from_buffers(serializer.arrow_type, len(offsets) // 4 - 1, buffers)
+        items = chain.from_iterable(m.values() for m in parts) if values else chain(*parts)
+        return serializer.to_arrow(list(items))
+    packed = pack(parts, values, code)
+    n = len(packed) // 8
+    return pa.Array.from_buffers(serializer.arrow_type, n, [None, pa.py_buffer(packed)])
 
 
 def _nested_table(
@@ -173,10 +188,32 @@ def sorted_table(
     """The Arrow table of ``key_groups`` of one state, rows in (key group, key[, user
     key]) order: the same rows give the same bytes whatever the dicts' insertion order."""
     arrow = table_for(meta, key_serializer, table, key_groups)
+    if meta.kind not in MAP_LIKE and _in_key_order(arrow):
+        return arrow  # keys inserted in order (sequential ids, a restored table): no sort
     order = [("key_group", "ascending"), ("key", "ascending")]
     if meta.kind in MAP_LIKE:
         order.append(("user_key", "ascending"))
     return arrow.take(pc.sort_indices(arrow, sort_keys=order))
+
+
+def _in_key_order(arrow: pa.Table) -> bool:
+    """Whether the rows are already in (key group, key) order, keys unique per group (a
+    few vectorized passes: cheaper than the sort it saves). Only for key types that
+    ``greater`` compares as the sort does (integers, strings and bytes, no nulls)."""
+    key = arrow["key"]
+    kind = key.type
+    if not (pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_binary(kind)):
+        return False
+    if key.null_count or arrow.num_rows < 2:
+        return key.null_count == 0
+    kg = arrow["key_group"]
+    n = arrow.num_rows
+    kg_prev, kg_next = kg.slice(0, n - 1), kg.slice(1)
+    ahead = pc.or_(
+        pc.greater(kg_next, kg_prev),
+        pc.and_(pc.equal(kg_next, kg_prev), pc.greater(key.slice(1), key.slice(0, n - 1))),
+    )
+    return bool(pc.all(ahead).as_py())
 
 
 def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[SnapshotFile]:

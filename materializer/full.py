@@ -27,6 +27,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from backends.backend import KeyedStateBackend
+from backends.forked import materialization_snapshot
 from backends.handles import KeyedStateHandle, MaterializationHandle
 from backends.keygroups import KeyGroupRange
 from backends.restore import relevant, restore_into
@@ -147,8 +148,9 @@ class FullSnapshotCheckpointer:
 
     # -- MaterializationSource ----------------------------------------------------------
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
-        """A copy of the state; ``sqn=0``: there is no log to replay after it."""
-        return self.inner.snapshot(sqn=0)
+        """A snapshot of the state (a heap store forks, see :mod:`backends.forked`);
+        ``sqn=0``: there is no log to replay after it."""
+        return materialization_snapshot(self.inner, 0)
 
     def materialization_done(self, handle: MaterializationHandle) -> None:
         """Nothing: the base moves only when a checkpoint is confirmed."""

@@ -54,6 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
+from backends.forked import ForkedSnapshot
 from backends.handles import MaterializationHandle, StateFileHandle, extent, file_id_of
 from backends.heap import StateSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
@@ -445,9 +446,11 @@ def snapshot_files(
     snapshot: MaterializationSnapshot, piece_rows: int | None
 ) -> Iterator[SnapshotFile]:
     """The files to upload: key-group pieces of about ``piece_rows`` keys for heap
-    snapshots, the snapshot's own files otherwise (RocksDB SSTs)."""
+    snapshots (copied or forked), the snapshot's own files otherwise (RocksDB SSTs)."""
     if isinstance(snapshot, StateSnapshot):
         return state_files(snapshot, piece_rows)
+    if isinstance(snapshot, ForkedSnapshot):
+        return snapshot.pieces(piece_rows)
     return snapshot.files()
 
 

@@ -34,20 +34,32 @@ def test_a_column_of_unique_values_falls_back_to_plain_early() -> None:
 
 
 def test_packed_columns_are_the_serializers_columns() -> None:
-    """int64 and float64 columns are packed from the dicts by ``array.array``: the same
-    column ``to_arrow`` makes, and what it refuses is refused."""
+    """int64 and float64 columns are packed from the dicts by ``pack``: the same column
+    ``to_arrow`` makes, and what it refuses is refused."""
     import pyarrow as pa
     import pytest
 
-    from backends.serializers import FLOAT64
+    from backends.serializers import BYTES, FLOAT64
     from backends.tables import _column
 
     ints = [0, -1, (1 << 63) - 1, -(1 << 63), 7, True]
-    assert _column(INT64, iter(ints)).equals(pa.array([int(i) for i in ints], pa.int64()))
+    parts = [{k: k for k in ints[:3]}, {}, {k: k for k in ints[3:]}]
+    want = pa.array([int(i) for i in ints[:5]] + [1], pa.int64())
+    assert _column(INT64, parts, values=False).equals(want)
+    assert _column(INT64, parts, values=True).equals(want)
     floats = [0.5, -2.0, float("inf"), 3]
-    assert _column(FLOAT64, iter(floats)).equals(FLOAT64.to_arrow(floats))
-    assert _column(STR, iter(["a", "b"])).equals(STR.to_arrow(["a", "b"]))
+    assert _column(FLOAT64, [dict.fromkeys(floats, 0.0)], values=False).equals(
+        FLOAT64.to_arrow(floats)
+    )
+    assert _column(STR, [{"a": 1}, {"bé": 2}], values=False).equals(STR.to_arrow(["a", "bé"]))
+    texts = [{"a": "x", "b": "\ud800"}]  # a lone surrogate: refused as to_arrow refuses it
+    with pytest.raises(UnicodeEncodeError):
+        _column(STR, texts, values=True)
+    with pytest.raises(UnicodeEncodeError):
+        STR.to_arrow(["x", "\ud800"])
+    assert _column(BYTES, [{1: b"x"}, {2: b""}], values=True).equals(BYTES.to_arrow([b"x", b""]))
+    assert _column(BYTES, [{1: "s"}], values=True).equals(BYTES.to_arrow(["s"]))  # converted
     with pytest.raises(TypeError):
-        _column(INT64, iter([1.5]))
+        _column(INT64, [{1: 1.5}], values=True)
     with pytest.raises(OverflowError):
-        _column(INT64, iter([1 << 63]))
+        _column(INT64, [{1: 1 << 63}], values=True)

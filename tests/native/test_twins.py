@@ -65,3 +65,52 @@ def test_the_python_buffer_takes_the_c_buffers_bytes(data: st.DataObject) -> Non
             assert outcomes[0] == outcomes[1]
             assert len(buffers[0]) == len(buffers[1])
         assert buffers[0].take() == buffers[1].take()
+
+
+PACKABLE = st.one_of(
+    st.integers(-(1 << 64), 1 << 64),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.text(max_size=2),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    dicts=st.lists(st.dictionaries(PACKABLE, PACKABLE, max_size=6), max_size=4),
+    values=st.booleans(),
+    kind=st.sampled_from(["q", "d"]),
+)
+def test_the_python_pack_packs_the_c_packs_bytes(
+    dicts: list[dict[Any, Any]], values: bool, kind: str
+) -> None:
+    """Heap materialization columns: the same bytes, or the same refusal."""
+    from backends import _heapstate_c, _heapstate_py
+
+    outcomes = []
+    for m in (_heapstate_c, _heapstate_py):
+        try:
+            outcomes.append(m.pack(dicts, values, kind))
+        except (TypeError, OverflowError) as exc:
+            outcomes.append(type(exc))
+    assert outcomes[0] == outcomes[1]
+
+
+TEXTS = st.one_of(st.text(max_size=4), st.binary(max_size=4), st.integers(0, 3))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    dicts=st.lists(st.dictionaries(TEXTS, TEXTS, max_size=6), max_size=4),
+    values=st.booleans(),
+    kind=st.sampled_from(["s", "b"]),
+)
+def test_the_python_pack_text_packs_the_c_packs_columns(
+    dicts: list[dict[Any, Any]], values: bool, kind: str
+) -> None:
+    """String and binary columns: the same offsets and data, or both decline (None)."""
+    from backends import _heapstate_c, _heapstate_py
+
+    assert _heapstate_c.pack_text(dicts, values, kind) == _heapstate_py.pack_text(
+        dicts, values, kind
+    )

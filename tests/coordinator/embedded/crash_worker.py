@@ -1,8 +1,10 @@
 """A job attempt that SIGKILLs itself between "files written" and "record committed".
 
-``python -m tests.coordinator.embedded.crash_worker STORE CRASH_AT`` runs the demo pipeline on
-``STORE``; when checkpoint ``>= CRASH_AT`` has every file durable but no record yet, it
-writes that checkpoint's id and files to ``STORE/crash.json`` (fsync'd) and kills itself.
+``python -m tests.coordinator.embedded.crash_worker STORE CRASH_AT [fork]`` runs the demo
+pipeline on ``STORE``; when checkpoint ``>= CRASH_AT`` has every file durable but no record
+yet, it writes that checkpoint's id and files to ``STORE/crash.json`` (fsync'd) and kills
+itself. With ``fork``, every heap materialization forks (:mod:`backends.forked`), however
+small the state, so the kill may find snapshot children alive.
 """
 
 from __future__ import annotations
@@ -54,4 +56,8 @@ def main(store: str, crash_at: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[3:] == ["fork"]:
+        import backends.forked
+
+        backends.forked.FORK_MIN_ENTRIES = 0
     main(sys.argv[1], int(sys.argv[2]))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import backends.forked
 from coordinator.embedded import EmbeddedRuntime
 from coordinator.gc import plan_sweep, sweep
 from coordinator.metadata import MetadataStore
@@ -22,11 +23,18 @@ from tools.demo_job import pipeline, reference
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_kill_before_commit_then_restart_and_sweep(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", [False, True], ids=["copy", "fork"])
+def test_kill_before_commit_then_restart_and_sweep(
+    tmp_path: Path, fork: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fork``: every heap materialization of both attempts forks (backends.forked)."""
+    if fork:
+        monkeypatch.setattr(backends.forked, "FORK_MIN_ENTRIES", 0)
     store_dir = tmp_path / "store"
     store_dir.mkdir()
+    argv = [str(store_dir), "4", *(["fork"] if fork else [])]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.coordinator.embedded.crash_worker", str(store_dir), "4"],
+        [sys.executable, "-m", "tests.coordinator.embedded.crash_worker", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -63,5 +71,6 @@ def test_kill_before_commit_then_restart_and_sweep(tmp_path: Path) -> None:
         pipeline(CONFIG, str(store_dir / "output")), options(str(store_dir))
     ).run()
     assert result.restored_from == latest.checkpoint_id
+    assert result.materializations > 0
     rows = sorted(tuple(r) for r in read_output(FileIO(str(store_dir / "output"))))
     assert rows == reference(CONFIG)[0]

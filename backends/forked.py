@@ -1,0 +1,328 @@
+"""Heap materialization snapshots taken by ``fork()``: the kernel copies, a child encodes.
+
+Why: a heap materialization used to copy every state's dicts on the task thread (150 ms
+at 1M keys x 2 states) and then build the Arrow columns, sort and Parquet-encode the
+pieces on the upload thread: ~0.8 s of CPU at 1M keys x 2 states, most of it holding the
+GIL the task thread needs, so the task slowed down while it ran and the upload waited
+for the GIL (a 1 ms switch interval only traded one for the other). With ``fork()`` the
+synchronous part is the fork (the page tables), the child holds the state as of the fork
+(copy-on-write), and encodes the pieces (:func:`backends.tables.state_files`) with its
+own interpreter on another core; the upload thread of the parent only reads the finished
+pieces from a pipe and uploads them.
+
+:func:`materialization_snapshot` picks the way: a fork for a heap store of at least
+:data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, else the store's own
+snapshot (a heap store copies its dicts). A fork that fails (no memory for the page
+tables, a process limit) falls back to the copy.
+
+The child (:func:`_child`) runs nothing but this module's loop and
+:func:`~backends.tables.state_files`, with every module it needs imported before the
+fork, on the system allocator (pyarrow's own may hold locks of threads that do not exist
+in the child), with the garbage collector off (a collection would touch, and copy, the
+whole heap), at a lower priority than the task (:data:`CHILD_NICE`), and with every
+inherited file descriptor but its two pipes closed (so that it holds no lock file,
+socket or output pipe of the parent). It always ends with ``os._exit``. It exits on its
+own when the parent goes away: its request read returns end of file, or its next write
+fails with a broken pipe.
+
+Wire format (private; both ends are this file): the parent writes one little-endian
+int64, the piece size in rows (``-1``: ``None``), then closes its end of the request
+pipe. The child answers with frames: two little-endian int64 (header length, data
+length), a JSON header, then the data. The header of a piece holds ``name``, ``state``,
+``lo``, ``hi`` and ``rows``; the last frame's header is ``{"end": n}`` (n pieces) or
+``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import struct
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from backends.errors import SnapshotProcessError
+from backends.heap import HeapKeyedStateBackend, StateSnapshot
+from backends.keygroups import KeyGroupRange
+from backends.snapshot import MaterializationSnapshot, SnapshotFile
+from backends.tables import DEFAULT_PIECE_ROWS, state_files
+
+log = logging.getLogger(__name__)
+
+FORK_MIN_ENTRIES = 65536
+"""Below this many entries a heap store copies its dicts instead of forking: the copy
+(about 150 ns per entry) is then shorter than a fork of a process of a few hundred MB
+(10-20 ms of page tables), and the upload's encoding is short anyway."""
+
+CHILD_NICE = 10
+"""The child's niceness: its encoding takes a core (0.5 s of CPU at 1M keys x 2 states)
+that the task thread and the worker's other threads would otherwise share, so it gets
+what they leave. End-to-end worker at 1M keys on 2 cores beside other load, records/s
+while a materialization runs over records/s without, two runs each: 0.37 and 0.40 at
+niceness 0, 0.67 and 1.01 at 5, 0.86 (and 1.04 in an earlier run) at 10; the
+materialization itself takes longer on a busy machine (max 1.8-2.4 s at 0, 2.7 s at 10)."""
+
+READ_TIMEOUT_S = 300.0
+"""How long the upload thread waits for the child's next bytes before it gives up (and
+kills it): a child that deadlocked must not hold the materialization in flight forever."""
+
+_FRAME = struct.Struct("<qq")
+_REQUEST = struct.Struct("<q")
+_PIPE_BYTES = 1 << 20  # fewer reads (each a GIL hand-off on the upload thread)
+
+
+def materialization_snapshot(backend: Any, sqn: int | None) -> MaterializationSnapshot:
+    """The snapshot a materialization of ``backend`` uploads (task thread): forked for a
+    heap store (see the module docstring), the store's own snapshot otherwise."""
+    if (
+        isinstance(backend, HeapKeyedStateBackend)
+        and hasattr(os, "fork")
+        and backend.entry_count() >= FORK_MIN_ENTRIES
+    ):
+        return fork_snapshot(backend, sqn)
+    snapshot: MaterializationSnapshot = backend.snapshot(sqn)
+    return snapshot
+
+
+def fork_snapshot(
+    backend: HeapKeyedStateBackend, sqn: int | None
+) -> ForkedSnapshot | StateSnapshot:
+    """Fork a child that holds ``backend``'s state as of now (task thread only).
+
+    Expired TTL entries are purged first, as :meth:`HeapKeyedStateBackend.snapshot` does.
+    Falls back to that copy (and logs why) if the fork fails.
+    """
+    _import_lazy_modules()
+    backend.purge_expired()
+    view = StateSnapshot(
+        backend.key_serializer,
+        backend.key_group_range,
+        backend.state_metas(),
+        backend.live_tables(),
+        sqn,
+    )
+    req_r, req_w = os.pipe()
+    out_r, out_w = os.pipe()
+    try:
+        with warnings.catch_warnings():
+            # 3.12+ warns that a multi-threaded process forks: the child runs only this
+            # module's code (see the module docstring), never the other threads' locks.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as exc:
+        for fd in (req_r, req_w, out_r, out_w):
+            os.close(fd)
+        log.warning("heap snapshot: fork failed (%s); copying the state instead", exc)
+        return backend.snapshot(sqn)
+    if pid == 0:  # pragma: no cover - the child; its exit ends this branch
+        _child(view, req_r, out_w)
+    os.close(req_r)
+    os.close(out_w)
+    with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
+        fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
+    return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r)
+
+
+_lazy_imported = False
+
+
+def _import_lazy_modules() -> None:
+    """Make pyarrow import what it imports on first use, once per process, before a fork.
+
+    Its first ``pa.array`` of a Python list imports pandas (when installed): 0.7 s of CPU.
+    A child's imports die with it, so without this every child encoding a column through
+    ``pa.array`` (strings, lists, maps, pickled values) paid it again. The parent pays it
+    once, at its first fork (the copy it replaces paid it at its first encoding).
+    """
+    global _lazy_imported
+    if not _lazy_imported:
+        pa.array([0], pa.int64())
+        _lazy_imported = True
+
+
+@dataclass(slots=True, eq=False, weakref_slot=True)
+class ForkedSnapshot:
+    """A heap snapshot held by a forked child process (``pid``), read through pipes.
+
+    Implements :class:`~backends.snapshot.MaterializationSnapshot`, kind
+    ``heap-parquet``: :meth:`pieces` yields what :func:`~backends.tables.state_files`
+    yields for the state as of the fork. One reader: the upload thread; :meth:`release`
+    (any thread, idempotent, also run when the object is collected) closes the pipes,
+    kills the child if it is still running and reaps it.
+    """
+
+    key_group_range: KeyGroupRange
+    sqn: int | None
+    pid: int
+    _request_fd: int
+    _pieces_fd: int
+    _finalizer: weakref.finalize = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(
+            self, _reap, os.getpid(), self.pid, [self._request_fd, self._pieces_fd]
+        )
+
+    @property
+    def kind(self) -> str:
+        """The table format: typed Parquet state tables."""
+        return "heap-parquet"
+
+    def files(self) -> Iterator[SnapshotFile]:
+        """:meth:`pieces` of the default size."""
+        return self.pieces(DEFAULT_PIECE_ROWS)
+
+    def pieces(self, piece_rows: int | None) -> Iterator[SnapshotFile]:
+        """The pieces of every state (see :func:`~backends.tables.state_files`), read from
+        the child as it encodes them. Once only. Raises :class:`SnapshotProcessError` if
+        the child fails, dies, or sends nothing for :data:`READ_TIMEOUT_S`."""
+        if not self._finalizer.alive:
+            raise SnapshotProcessError("the forked snapshot was released")
+        self._finalizer.detach()  # from here on, the request end is closed below
+        self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, [self._pieces_fd])
+        try:
+            os.write(self._request_fd, _REQUEST.pack(-1 if piece_rows is None else piece_rows))
+        except BrokenPipeError:
+            raise SnapshotProcessError("the snapshot process ended before the request") from None
+        finally:
+            os.close(self._request_fd)
+        fd = self._pieces_fd
+        count = 0
+        while True:
+            head_len, data_len = _FRAME.unpack(_read(fd, _FRAME.size))
+            head = json.loads(_read(fd, head_len))
+            if "error" in head:
+                raise SnapshotProcessError(f"the snapshot process failed: {head['error']}")
+            if "end" in head:
+                if head["end"] != count:
+                    raise SnapshotProcessError(f"expected {head['end']} pieces, got {count}")
+                return
+            count += 1
+            yield SnapshotFile(
+                head["name"], head["state"], head["lo"], head["hi"], head["rows"],
+                _read(fd, data_len),
+            )  # fmt: skip
+
+    def release(self) -> None:
+        """Close the pipes, stop the child if it still runs, reap it. Idempotent."""
+        self._finalizer()
+
+
+def _reap(owner: int, pid: int, fds: list[int]) -> None:
+    if os.getpid() != owner:  # a fork of the owner (at its exit): neither is its own
+        return
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == 0:  # still encoding (released early): nobody reads it any more
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _read(fd: int, n: int) -> bytes:
+    """Exactly ``n`` bytes of the non-blocking pipe ``fd`` (each wait at most
+    :data:`READ_TIMEOUT_S`)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    poller: select.poll | None = None
+    while got < n:
+        try:
+            k = os.readv(fd, [view[got:]])
+        except BlockingIOError:
+            if poller is None:
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+            if not poller.poll(READ_TIMEOUT_S * 1e3):
+                raise SnapshotProcessError(
+                    f"the snapshot process sent nothing for {READ_TIMEOUT_S:.0f} s"
+                ) from None
+            continue
+        if k == 0:
+            raise SnapshotProcessError("the snapshot process ended before its last piece")
+        got += k
+    return bytes(buf)
+
+
+# -- the child -----------------------------------------------------------------------------
+def _child(view: StateSnapshot, request_fd: int, out_fd: int) -> None:  # pragma: no cover
+    """The forked child: encode ``view``'s pieces as requested, then ``os._exit``.
+
+    Coverage cannot see it (the child never returns); tests check it by its output.
+    """
+    code = 1
+    try:
+        gc.disable()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        _close_inherited(request_fd, out_fd)
+        os.nice(CHILD_NICE)
+        pa.set_memory_pool(pa.system_memory_pool())
+        raw = _read_request(request_fd)
+        if len(raw) < _REQUEST.size:  # the parent went away or released the snapshot
+            os._exit(0)
+        (piece_rows,) = _REQUEST.unpack(raw)
+        count = 0
+        try:
+            for f in state_files(view, None if piece_rows < 0 else piece_rows):
+                assert f.data is not None
+                head = {
+                    "name": f.name, "state": f.state, "lo": f.key_group_start,
+                    "hi": f.key_group_end, "rows": f.rows,
+                }  # fmt: skip
+                _send(out_fd, head, f.data)
+                count += 1
+        except Exception as exc:  # reported to the parent, which raises it
+            _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
+        else:
+            _send(out_fd, {"end": count}, b"")
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _close_inherited(*keep: int) -> None:  # pragma: no cover - the child
+    """Close every inherited descriptor but ``keep``; 0-2 become /dev/null."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1, 2):
+        if null != std:
+            os.dup2(null, std)
+    lo = 3
+    for fd in sorted({*keep, null} - {0, 1, 2}):
+        if fd in keep:
+            os.closerange(lo, fd)
+            lo = fd + 1
+    os.closerange(lo, os.sysconf("SC_OPEN_MAX"))
+
+
+def _read_request(fd: int) -> bytes:  # pragma: no cover - the child
+    data = b""
+    while len(data) < _REQUEST.size:
+        chunk = os.read(fd, _REQUEST.size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _send(fd: int, head: dict[str, Any], data: bytes) -> None:  # pragma: no cover
+    encoded = json.dumps(head).encode()
+    for part in (_FRAME.pack(len(encoded), len(data)) + encoded, data):
+        view = memoryview(part)
+        while view:
+            view = view[os.write(fd, view) :]

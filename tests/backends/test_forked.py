@@ -1,0 +1,261 @@
+"""Heap snapshots taken by fork(): the child's pieces are the state as of the fork.
+
+Real processes throughout: the child is a fork of the test process, killed and reaped
+for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from backends import (
+    HeapKeyedStateBackend,
+    KeyGroupRange,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ValueStateDescriptor,
+)
+from backends import forked as forked_mod
+from backends.errors import SnapshotProcessError
+from backends.forked import ForkedSnapshot, fork_snapshot, materialization_snapshot
+from backends.heap import StateSnapshot
+from backends.serializers import INT64, STR
+from backends.state import StateTtlConfig
+from backends.tables import state_files
+
+MAX_PAR = 128
+PIECE_ROWS = 512
+
+
+def _backend(n: int, clock: Any = None) -> HeapKeyedStateBackend:
+    kwargs = {"clock": clock} if clock is not None else {}
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, MAX_PAR), MAX_PAR, **kwargs)
+    count = b.get_state(ValueStateDescriptor("count", INT64))
+    seen = b.get_state(ListStateDescriptor("seen", STR))
+    tags = b.get_state(MapStateDescriptor("tags", STR, INT64))
+    for i in range(n):
+        b.set_current_key(i)
+        count.update(i)
+        if i % 3 == 0:
+            seen.add(f"s{i}")
+            tags.put(f"t{i % 5}", i)
+    return b
+
+
+def _mutate(b: HeapKeyedStateBackend, n: int) -> None:
+    """Change, add and delete entries of every state."""
+    count = b.get_state(ValueStateDescriptor("count", INT64))
+    seen = b.get_state(ListStateDescriptor("seen", STR))
+    tags = b.get_state(MapStateDescriptor("tags", STR, INT64))
+    for i in range(0, n + 50, 7):
+        b.set_current_key(i)
+        count.update(-i)
+        seen.add("later")
+        tags.put("later", 1)
+        if i % 2:
+            count.clear()
+            tags.clear()
+
+
+def _pieces(files: Iterator[Any]) -> list[tuple[str, str | None, int, int, int, bytes]]:
+    return [(f.name, f.state, f.key_group_start, f.key_group_end, f.rows, f.data) for f in files]
+
+
+@pytest.fixture
+def reaped() -> Iterator[list[int]]:
+    """Pids of forked children; each must be gone (reaped) at the end of the test."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def test_the_pieces_are_the_state_as_of_the_fork_while_the_task_writes_on(
+    reaped: list[int],
+) -> None:
+    b = _backend(3000)
+    want = _pieces(state_files(b.snapshot(7), PIECE_ROWS))
+    snap = fork_snapshot(b, 7)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    _mutate(b, 3000)  # after the fork: the child's copy must not see it
+    assert _pieces(state_files(b.snapshot(7), PIECE_ROWS)) != want
+    assert snap.sqn == 7 and snap.kind == "heap-parquet"
+    got = _pieces(snap.pieces(PIECE_ROWS))
+    snap.release()
+    assert got == want
+    assert len(got) > 3  # several pieces of every state
+
+
+def test_pieces_of_the_default_size_and_of_fixed_key_group_chunks(reaped: list[int]) -> None:
+    b = _backend(2000)
+    for rows in (None, 100_000):
+        want = _pieces(state_files(b.snapshot(1), rows))
+        snap = fork_snapshot(b, 1)
+        assert isinstance(snap, ForkedSnapshot)
+        reaped.append(snap.pid)
+        got = _pieces(snap.pieces(rows) if rows is None else snap.files())
+        snap.release()
+        assert got == want
+
+
+def test_a_released_snapshot_stops_and_reaps_its_child(reaped: list[int]) -> None:
+    b = _backend(500)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    snap.release()
+    snap.release()  # idempotent
+    with pytest.raises(SnapshotProcessError, match="released"):
+        next(snap.pieces(PIECE_ROWS))
+
+
+def test_a_snapshot_released_halfway_through_reaps_its_child(reaped: list[int]) -> None:
+    b = _backend(3000)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    pieces = snap.pieces(64)
+    next(pieces)
+    snap.release()
+
+
+def test_a_dropped_snapshot_reaps_its_child(reaped: list[int]) -> None:
+    b = _backend(500)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    del snap
+
+
+def test_a_child_that_dies_fails_the_read(reaped: list[int]) -> None:
+    b = _backend(500)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    os.kill(snap.pid, signal.SIGKILL)
+    with pytest.raises(SnapshotProcessError, match="ended before"):
+        list(snap.pieces(PIECE_ROWS))
+    snap.release()
+
+
+def test_an_error_in_the_child_is_raised_in_the_parent(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
+        yield from state_files(snapshot, piece_rows)
+        raise ValueError("cannot encode this")
+
+    monkeypatch.setattr(forked_mod, "state_files", broken)  # the child is a copy of us
+    b = _backend(500)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    with pytest.raises(SnapshotProcessError, match="ValueError: cannot encode this"):
+        list(snap.pieces(PIECE_ROWS))
+    snap.release()
+
+
+def test_a_silent_child_times_out(reaped: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+
+    def stuck(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
+        gate.wait()  # never set in the child (no thread sets it there)
+        yield from ()
+
+    monkeypatch.setattr(forked_mod, "state_files", stuck)
+    monkeypatch.setattr(forked_mod, "READ_TIMEOUT_S", 0.05)
+    b = _backend(500)
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    with pytest.raises(SnapshotProcessError, match="sent nothing"):
+        list(snap.pieces(PIECE_ROWS))
+    snap.release()  # kills the stuck child
+
+
+def test_the_child_keeps_no_inherited_descriptor(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock file, socket or output pipe of the parent must not live on in the child
+    (e.g. after the parent was killed): it holds its two pipes and /dev/null only."""
+    gate = threading.Event()
+
+    def first_piece_then_wait(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
+        yield next(iter(state_files(snapshot, piece_rows)))
+        gate.wait()  # never set in the child: it stays alive, holding what it holds
+
+    monkeypatch.setattr(forked_mod, "state_files", first_piece_then_wait)
+    b = _backend(500)
+    with tempfile.TemporaryFile() as held:
+        held_fd = held.fileno()
+        snap = fork_snapshot(b, 1)
+        assert isinstance(snap, ForkedSnapshot)
+        reaped.append(snap.pid)
+        next(snap.pieces(PIECE_ROWS))  # the child closes them before it reads the request
+        fds = _descriptors(snap.pid)
+        snap.release()
+    assert held_fd not in fds
+    assert sorted(fds) == [0, 1, 2, *sorted(fds)[3:]] and len(fds) == 5
+    assert {fds[0], fds[1], fds[2]} == {os.devnull}
+    assert all(t.startswith("pipe:") for fd, t in fds.items() if fd > 2)
+
+
+def _descriptors(pid: int) -> dict[int, str]:
+    """The open descriptors of process ``pid`` and what they are."""
+    return {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+
+
+def test_small_states_and_failed_forks_copy_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = _backend(100)
+    assert isinstance(materialization_snapshot(b, 1), StateSnapshot)  # below the threshold
+    monkeypatch.setattr(forked_mod, "FORK_MIN_ENTRIES", 10)
+
+    def no_fork() -> int:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    before = set(os.listdir("/proc/self/fd"))
+    snap = materialization_snapshot(b, 1)
+    assert isinstance(snap, StateSnapshot)
+    assert set(os.listdir("/proc/self/fd")) <= before  # the pipes were closed
+    assert _pieces(state_files(snap, PIECE_ROWS)) == _pieces(state_files(b.snapshot(1), 512))
+
+
+def test_large_states_fork(reaped: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forked_mod, "FORK_MIN_ENTRIES", 10)
+    b = _backend(100)
+    snap = materialization_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    snap.release()
+
+
+def test_expired_entries_are_purged_before_the_fork(reaped: list[int]) -> None:
+    now = [1_000]
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, MAX_PAR), MAX_PAR, clock=lambda: now[0])
+    ttl = StateTtlConfig(ttl_ms=100)
+    v = b.get_state(ValueStateDescriptor("v", INT64, ttl=ttl))
+    for i in range(50):
+        b.set_current_key(i)
+        v.update(i)
+    now[0] += 60
+    for i in range(0, 50, 2):
+        b.set_current_key(i)
+        v.update(-i)  # refreshed: alive at 1_110
+    now[0] += 50
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    got = _pieces(snap.pieces(PIECE_ROWS))
+    snap.release()
+    assert sum(p[4] for p in got) == 25
+    assert b.entry_count() == 25  # purged from the live store too, as the copy does

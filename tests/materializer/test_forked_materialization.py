@@ -1,0 +1,133 @@
+"""A heap materialization forks: it holds exactly the state of its snapshot, whatever the
+task writes while it uploads, and a checkpoint on it restores exactly once.
+
+The state is large enough to fork (:data:`backends.forked.FORK_MIN_ENTRIES`); the child
+is a real process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends import (
+    ChangelogKeyedStateBackend,
+    HeapKeyedStateBackend,
+    KeyedStateHandle,
+    KeyGroupRange,
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ValueStateDescriptor,
+    restore_into,
+)
+from backends.forked import FORK_MIN_ENTRIES, ForkedSnapshot
+from backends.serializers import INT64, STR
+from dstl import ChangelogStorage, FileIO
+from materializer import FullSnapshotCheckpointer, Materializer, MaterializerOptions
+
+MAX_PAR = 128
+JOB = "job"
+KEYS = FORK_MIN_ENTRIES + 1000
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[tuple[FileIO, ChangelogStorage]]:
+    fileio = FileIO(str(tmp_path / "store"))
+    with ChangelogStorage(fileio, JOB, "w0") as st:
+        yield fileio, st
+
+
+def _heap() -> HeapKeyedStateBackend:
+    return HeapKeyedStateBackend(INT64, KeyGroupRange(0, MAX_PAR), MAX_PAR)
+
+
+def _write(b: Any, keys: range, salt: int) -> None:
+    """Every state kind: values (with deletions), lists and maps."""
+    count = b.get_state(ValueStateDescriptor("count", INT64))
+    seen = b.get_state(ListStateDescriptor("seen", STR))
+    tags = b.get_state(MapStateDescriptor("tags", STR, INT64))
+    for i in keys:
+        b.set_current_key(i)
+        count.update(i + salt)
+        if i % 11 == 0:
+            seen.add(f"s{i}-{salt}")
+            tags.put(f"t{salt % 3}", i)
+        if salt and i % 13 == 0:
+            count.clear()
+
+
+def _state(b: Any) -> dict[str, dict[Any, Any]]:
+    out: dict[str, dict[Any, Any]] = {}
+    for name, table in b.snapshot().tables.items():
+        for entries in table.values():
+            out.setdefault(name, {}).update(entries)
+    return out
+
+
+def _restored(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:
+    b = _heap()
+    restore_into(b, fileio, [handle])
+    return _state(b)
+
+
+def test_a_materialization_holds_its_snapshot_while_the_task_writes_on(
+    storage: tuple[FileIO, ChangelogStorage],
+) -> None:
+    fileio, st = storage
+    inner = _heap()
+    b = ChangelogKeyedStateBackend(inner, st.create_writer("op-0"))
+    _write(b, range(KEYS), 0)
+    mat = Materializer(b, fileio, JOB, "op", 0, options=MaterializerOptions(heap_piece_rows=4096))
+    mat_id, snap = mat.snapshot()
+    assert isinstance(snap, ForkedSnapshot)
+    at_snapshot = _state(inner)
+    _write(b, range(0, KEYS + 500, 3), 1)  # the task goes on while the child encodes
+    handle = mat.upload(mat_id, snap)
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(snap.pid, os.WNOHANG)
+    assert mat.last_stats is not None and mat.last_stats.files_new > 16
+    only_mat = KeyedStateHandle(b.backend_id, 0, MAX_PAR, INT64.name, MAX_PAR, (handle,), ())
+    assert _restored(fileio, only_mat) == at_snapshot != _state(inner)
+    # the log from the snapshot's sqn on carries what came after: exactly once
+    b.materialization_done(handle)
+    _write(b, range(5, KEYS, 17), 2)
+    checkpoint = b.checkpoint(1).result()
+    assert checkpoint.materialized == (handle,)
+    assert _restored(fileio, checkpoint) == _state(inner)
+
+
+def test_an_unchanged_state_shares_every_piece_of_its_forked_materialization(
+    storage: tuple[FileIO, ChangelogStorage],
+) -> None:
+    fileio, st = storage
+    b = ChangelogKeyedStateBackend(_heap(), st.create_writer("op-0"))
+    _write(b, range(KEYS), 0)
+    mat = Materializer(b, fileio, JOB, "op", 0)
+    first = mat.materialize_now()
+    b.set_current_key(3)  # one key of one piece changes
+    b.get_state(ValueStateDescriptor("count", INT64)).update(-3)
+    second = mat.materialize_now()
+    assert mat.last_stats is not None
+    assert (mat.last_stats.files_new, mat.last_stats.files_shared) == (
+        1,
+        len(first.state_files) - 1,
+    )
+    assert len(second.state_files) == len(first.state_files)
+
+
+def test_changelog_off_checkpoints_fork_too(tmp_path: Path) -> None:
+    fileio = FileIO(str(tmp_path / "store"))
+    with FullSnapshotCheckpointer(_heap(), fileio, JOB, "op", 0, "full-0") as full:
+        _write(full, range(KEYS), 0)
+        at_barrier = _state(full.inner)
+        snap = full.snapshot_for_materialization()
+        assert isinstance(snap, ForkedSnapshot)
+        snap.release()
+        future = full.checkpoint(1)
+        _write(full, range(0, KEYS, 5), 1)  # after the barrier: not in checkpoint 1
+        handle = future.result()
+        assert _restored(fileio, handle) == at_barrier != _state(full.inner)
