@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -111,6 +112,27 @@ def test_sixteen_writers_produce_one_segment_per_batch(fileio: FileIO) -> None:
         assert st.segments_written == 2
         assert st.upload_attempts == 2
     assert len(fileio.list("jobs/job/changelog")) == 2
+
+
+def test_a_batch_holding_every_open_writer_closes_without_waiting(fileio: FileIO) -> None:
+    # A sharing window of a minute: a batch that waited for it would hold the drain.
+    opts = ChangelogOptions(batch_delay_s=60.0)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        a, b = st.create_writer("a"), st.create_writer("b")
+        st.create_writer("gone").close()  # a closed writer is waited for no longer
+        for w in (a, b):
+            w.append(0, "s", 1, b"k", None, w.writer_id.encode())
+        futures = [w.persist(0, 1) for w in (a, b)]
+        drain = threading.Thread(target=st.drain_once, kwargs={"block": True})
+        drain.start()
+        drain.join(timeout=30)
+        assert not drain.is_alive(), "the batch waited for the sharing window"
+        ha, hb = (f.result(timeout=0)[0] for f in futures)
+        assert ha.location == hb.location and (ha.block, hb.block) == (0, 1)  # still shared
+        timings = b.last_persist_timings()
+        for step in ("persist_queue_ms", "persist_window_ms", "encode_ms", "write_ms"):
+            assert timings[step] >= 0
+        assert timings["segment_blocks"] == 2
 
 
 def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:
