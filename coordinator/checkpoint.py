@@ -12,8 +12,8 @@ queue and are applied on the next tick. Life of a checkpoint::
     pending --(decline | timeout | newer completed)--> aborted -> notify_abort(id, reason)
 
 The record is written on a thread of its own, one record at a time in completion order,
-so that the next checkpoint is triggered, and its acks taken, while the previous one
-commits (as Flink's JobManager finalizes checkpoints off its main thread); nothing of a
+so that the next checkpoint is triggered, and its barriers and acks run, while the
+previous one commits (as Flink's JobManager finalizes checkpoints off its main thread); nothing of a
 checkpoint is confirmed to the tasks (the sinks publish their output on that
 confirmation) before its record is committed.
 
@@ -21,7 +21,8 @@ Invariants:
 
 - Ids come from the metadata store: strictly increasing, never reused, across restarts.
 - A checkpoint is reported complete only after its record is committed; records are
-  committed in the order their checkpoints got their last ack.
+  committed one at a time, in the order their checkpoints got their last ack, each
+  after the one before was applied (its tasks notified, its listeners run).
 - At most ``max_concurrent`` regular checkpoints are pending (waiting for acks: one whose
   record is being written does not count); savepoints bypass the limit.
 - A new periodic checkpoint starts no earlier than ``interval_s`` after the previous trigger
@@ -242,12 +243,13 @@ class CheckpointCoordinator:
         self._savepoints: dict[int, Future[CompletedCheckpoint]] = {}
         self._inbox: queue.Queue[_Ack | _Decline | _SavepointRequest | _Committed] = queue.Queue()
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="coordinator-deleter")
-        # One thread, so records land in the order checkpoints completed.
         self._committer = committer or ThreadPoolExecutor(
             1, thread_name_prefix="coordinator-commit"
         )
-        # checkpoint id -> (pending, record): every ack arrived, the record is being written
+        # checkpoint id -> (pending, record): every ack arrived, the record is being (or
+        # waits to be) written, in completion order; ``_recording``: the one being written
         self.committing: dict[int, tuple[PendingCheckpoint, CompletedCheckpoint]] = {}
+        self._recording: int | None = None
         self._reserved_id: int | None = None  # reserved with the last record, unused
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
         self._slices = contextlib.ExitStack()  # short GIL slices while any is pending
@@ -356,7 +358,7 @@ class CheckpointCoordinator:
             # for a whole switch interval (5 ms): short slices until it is recorded.
             self._slices.enter_context(short_gil_slices(CHECKPOINT_GIL_SLICE_S))
             self._slices_held = True
-        started = time.perf_counter()
+        started, triggered_wall = time.perf_counter(), self._wall_clock()
         found: list[RegisteredCompaction] = []
         reserved, self._reserved_id = self._reserved_id, None
         if reserved is not None:  # no write: the commit before reserved it
@@ -378,7 +380,7 @@ class CheckpointCoordinator:
             checkpoint_id,
             now,
             kind,
-            triggered_wall=self._wall_clock(),
+            triggered_wall=triggered_wall,  # before the lookups: they see what came before
             trigger_ms=round((time.perf_counter() - started) * 1e3, 3),
         )
         self.last_triggered_id = checkpoint_id
@@ -463,8 +465,18 @@ class CheckpointCoordinator:
         )
         self.committing[cp.checkpoint_id] = (cp, completed)
         self._previous_files = set(completed.files())
+        self._record_next()
+
+    def _record_next(self) -> None:
+        """Hand the oldest waiting record to the committer unless one is being written:
+        one at a time, each after the one before was applied here (so a listener that
+        fails the job stops every later record)."""
+        if self._recording is not None or not self.committing:
+            return
+        cid, (_, completed) = next(iter(self.committing.items()))
+        self._recording = cid
         record = self._committer.submit(self._record, completed)
-        record.add_done_callback(lambda f: self._post(_Committed(cp.checkpoint_id, f)))
+        record.add_done_callback(lambda f: self._post(_Committed(cid, f)))
 
     def _record(self, completed: CompletedCheckpoint) -> tuple[Retention, float, int | None]:
         """The committer thread: write the record (and reserve the next checkpoint's id in
@@ -478,12 +490,14 @@ class CheckpointCoordinator:
     def _on_committed(self, msg: _Committed, now: float) -> None:
         """A record's commit ended: the checkpoint is complete (or its outcome unknown)."""
         cp, completed = self.committing.pop(msg.checkpoint_id)
+        self._recording = None
         try:
             retention, record_ms, next_id = msg.result.result()
         except MetadataStoreError as exc:
             # Unknown outcome: the commit may have landed. Delete nothing; late acks of
             # this id are not "aborted" either.
             self._abort(cp, exc, now, known_aborted=False)
+            self._record_next()
             return
         if next_id is not None and next_id > self.last_triggered_id:
             self._reserved_id = next_id
@@ -524,6 +538,7 @@ class CheckpointCoordinator:
             fut.set_result(completed)
         for listener in self.listeners:
             listener(completed)
+        self._record_next()
         self._settled()
 
     def _settled(self) -> None:

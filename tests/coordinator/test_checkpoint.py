@@ -157,11 +157,15 @@ def test_the_next_checkpoint_runs_while_a_record_commits_and_nothing_is_confirme
     # every ack is in, but nothing is recorded: no task (no sink) was told of a completion
     assert h.completed == [] and h.before_commit == [] and store.latest(JOB) is None
     assert sorted(h.coord.committing) == [1, 2] and h.coord.latest_completed_id == 0
-    held.run()  # both records land, in completion order
-    assert [c.checkpoint_id for c in h.before_commit] == [1, 2]
-    assert store.latest(JOB).checkpoint_id == 2  # type: ignore[union-attr]
+    held.run()  # 1 lands; 2 waits until 1 was applied
+    assert [c.checkpoint_id for c in h.before_commit] == [1]
+    assert store.latest(JOB).checkpoint_id == 1  # type: ignore[union-attr]
     assert h.completed == []  # applied on the coordinator thread's next tick only
     h.coord.tick(1.2)
+    assert h.completed == [(1, None)] and list(h.coord.committing) == [2]
+    held.run()
+    assert [c.checkpoint_id for c in h.before_commit] == [1, 2]
+    h.coord.tick(1.3)
     assert h.completed == [(1, None), (2, 1)] and not h.coord.committing
     h.coord.tick(2.0)  # the id reserved with the last record: no write at the trigger
     assert h.triggered[:2] == [1, 2] and h.triggered[2] > 2
