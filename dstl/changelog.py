@@ -11,7 +11,8 @@ batches the persist requests of all its writers into one segment file per upload
 completes their futures, and a small named pool (``dstl-attempt-<worker>``) running upload
 attempts (retried and hedged, see :mod:`dstl.retry`). Results reach the task thread through
 those futures; no lock is held across I/O. Both are joined in :meth:`ChangelogStorage.close`.
-The upload thread has segments encoded by the process's helper (:mod:`dstl.encoder`).
+The upload thread has segments encoded by the process's helper (:mod:`dstl.encoder`),
+but the small ones a persist waits for, which it encodes itself (:data:`ENCODE_HERE_BYTES`).
 
 Backpressure: bytes handed to uploads are bounded by ``in_flight_max_bytes``; a writer's
 pre-emptive upload (in ``append``) or ``persist`` blocks until they fit, and never fails
@@ -42,7 +43,7 @@ import pyarrow.compute as pc
 from dstl import layout
 from dstl._records import RecordColumns
 from dstl.buffer import ChangeBuffer, as_binary, as_int32
-from dstl.encoder import PendingBlock, shared_encoder
+from dstl.encoder import PendingBlock, encode_here, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
@@ -56,6 +57,10 @@ log = logging.getLogger(__name__)
 META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
 SMALL_COLUMNS = 32  # append_columns of fewer rows (as Python lists) adds them as single records
+ENCODE_HERE_BYTES = 2 * 1024 * 1024
+"""A batch a persist waits for, up to this size, is encoded on the upload thread itself
+(:func:`~dstl.encoder.encode_here`); pre-emptive uploads and larger batches go to the
+helper process, off this process's GIL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,7 @@ class _Upload:
     changes: ChangeBuffer | None  # sealed; None once uploaded
     future: Future[ChangelogHandle]
     timings: dict[str, float] = field(default_factory=dict)
+    urgent: bool = False  # submitted by a persist (a barrier waits), not pre-emptively
 
 
 @dataclass(slots=True)
@@ -157,6 +163,7 @@ class _Request:
     changes: ChangeBuffer
     future: Future[ChangelogHandle]
     timings: dict[str, float]
+    urgent: bool
     submitted: float = 0.0  # perf_counter() when queued
     taken: float = 0.0  # perf_counter() when the upload thread took it
 
@@ -292,14 +299,14 @@ class ChangelogWriter:
         return self._active_sqn
 
     # -- persisting -------------------------------------------------------------------
-    def _submit_buffer(self) -> None:
+    def _submit_buffer(self, urgent: bool = False) -> None:
         boundary = self.next_sqn()
         if not len(self._buffer):
             return
         changes = self._buffer
         changes.seal()
         self._buffer = ChangeBuffer()
-        upload = _Upload(self._buffer_start, boundary, changes, Future())
+        upload = _Upload(self._buffer_start, boundary, changes, Future(), urgent=urgent)
         self._buffer_start = boundary
         self._uploads.append(upload)
         self._storage._submit(self.writer_id, upload)
@@ -331,7 +338,7 @@ class ChangelogWriter:
                 f"writer {self.writer_id}: cannot persist from sqn {from_sqn}, "
                 f"the log was truncated to {self._truncated_to}"
             )
-        self._submit_buffer()
+        self._submit_buffer(urgent=True)
         wanted: list[_Upload] = []
         for upload in self._uploads:
             if upload.sqn_end <= from_sqn:
@@ -523,6 +530,7 @@ class ChangelogStorage:
                 upload.changes,
                 upload.future,
                 upload.timings,
+                upload.urgent,
                 time.perf_counter(),
             )
         )
@@ -616,9 +624,11 @@ class ChangelogStorage:
         write: HedgedWrite | None = None
         closed = time.perf_counter()
         try:
-            segment = self._encoder.encode(
-                [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
-            )
+            pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
+            if any(r.urgent for r in batch) and sum(r.nbytes for r in batch) <= ENCODE_HERE_BYTES:
+                segment = encode_here(pending)  # a barrier waits: no helper round trip
+            else:
+                segment = self._encoder.encode(pending)
             encoded = time.perf_counter()
             data = segment.data
             write = HedgedWrite(
