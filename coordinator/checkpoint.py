@@ -361,15 +361,15 @@ class CheckpointCoordinator:
         started, triggered_wall = time.perf_counter(), self._wall_clock()
         found: list[RegisteredCompaction] = []
         reserved, self._reserved_id = self._reserved_id, None
-        if reserved is not None:  # no write: the commit before reserved it
+        if reserved is not None:
+            # No write: the commit before reserved it. Used only if it is still the
+            # newest id of the job: one taken since (``statectl savepoint``) must stay
+            # above every checkpoint recorded after it.
+            last, found = self.store.peek_sequence(self.job_id, self._compactions_seen)
+            if last != reserved:
+                reserved, found = None, []
+        if reserved is not None:
             checkpoint_id = reserved
-            if self._offer_compactions is not None:
-                try:
-                    found = self.store.pending_compactions(
-                        self.job_id, after_id=self._compactions_seen
-                    )
-                except MetadataStoreError as exc:  # looked for again at the next trigger
-                    log.warning("compactions not looked up error=%s", exc)
         elif self._offer_compactions is None:
             checkpoint_id = self.store.next_checkpoint_id(self.job_id)
         else:

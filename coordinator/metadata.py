@@ -551,6 +551,21 @@ class MetadataStore:
             checkpoint_id = self._next_id(conn, job_id)
             return checkpoint_id, compaction_registry.pending(conn, job_id, None, compactions_after)
 
+    def peek_sequence(
+        self, job_id: str, compactions_after: int
+    ) -> tuple[int, builtins.list[RegisteredCompaction]]:
+        """The job's last reserved checkpoint id and its undecided compactions with an id
+        above ``compactions_after``, in one read (no write, no lock): whether an id the
+        caller reserved earlier is still the newest, and what :meth:`reserve_checkpoint`
+        would have found."""
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.select(jobs.c.last_checkpoint_id).where(jobs.c.job_id == job_id)
+            ).first()
+            if row is None:
+                raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
+            return int(row[0]), compaction_registry.pending(conn, job_id, None, compactions_after)
+
     @staticmethod
     def _next_id(conn: Connection, job_id: str) -> int:
         row = conn.execute(

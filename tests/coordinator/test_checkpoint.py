@@ -172,6 +172,23 @@ def test_the_next_checkpoint_runs_while_a_record_commits_and_nothing_is_confirme
     h.coord.close()
 
 
+def test_an_id_taken_since_the_last_record_reserved_one_is_never_passed_under(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)  # recorded, and id 2 reserved with the record
+    h.coord.tick(1.0)
+    assert h.triggered == [1, 2]  # used without a write
+    h.ack_all(2, ["a"])
+    h.coord.tick(1.1)  # id 3 reserved with the record
+    taken = store.next_checkpoint_id(JOB)  # what statectl savepoint does meanwhile
+    h.coord.tick(2.0)
+    assert taken == 4 and h.triggered == [1, 2, 5]  # not 3: below the savepoint's id
+    h.coord.close()
+
+
 def test_acks_and_landed_records_wake_the_coordinator_thread(
     store: MetadataStore, tmp_path: Path
 ) -> None:
