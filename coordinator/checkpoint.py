@@ -4,16 +4,27 @@ It is a synchronous state machine driven by :meth:`CheckpointCoordinator.tick` w
 injected ``now``; acks, declines and savepoint requests arrive from any thread through a
 queue and are applied on the next tick. Life of a checkpoint::
 
-    trigger -> pending --(every expected ack)--> [savepoint: copy files] -> before_commit
-            -> record committed (retention released in the same transaction)
-            -> older pending subsumed -> notify_complete(id, last_subsumed) -> delete released
+    trigger -> pending --(every expected ack)--> [savepoint: copy files] -> committing
+            -> (committer thread) before_commit -> record committed (retention released
+               and the next id reserved in the same transaction)
+            -> (next tick) older pending subsumed -> notify_complete(id, last_subsumed)
+            -> delete released
     pending --(decline | timeout | newer completed)--> aborted -> notify_abort(id, reason)
+
+The record is written on a thread of its own, one record at a time in completion order,
+so that the next checkpoint is triggered, and its barriers and acks run, while the
+previous one commits (as Flink's JobManager finalizes checkpoints off its main thread); nothing of a
+checkpoint is confirmed to the tasks (the sinks publish their output on that
+confirmation) before its record is committed.
 
 Invariants:
 
 - Ids come from the metadata store: strictly increasing, never reused, across restarts.
-- A checkpoint is reported complete only after its record is committed.
-- At most ``max_concurrent`` regular checkpoints are pending; savepoints bypass the limit.
+- A checkpoint is reported complete only after its record is committed; records are
+  committed one at a time, in the order their checkpoints got their last ack, each
+  after the one before was applied (its tasks notified, its listeners run).
+- At most ``max_concurrent`` regular checkpoints are pending (waiting for acks: one whose
+  record is being written does not count); savepoints bypass the limit.
 - A new periodic checkpoint starts no earlier than ``interval_s`` after the previous trigger
   and ``min_pause_s`` after the previous completion.
 - More than ``tolerable_failures`` consecutive failed regular checkpoints (declined,
@@ -34,17 +45,19 @@ everything of a checkpoint whose commit outcome is unknown, is the orphan sweep'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from coordinator.compactions import RegisteredCompaction
 from coordinator.errors import CheckpointTriggerRejectedError, SavepointError
-from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
+from coordinator.metadata import CompletedCheckpoint, MetadataStore, Retention, SubtaskState
 from coordinator.savepoint import make_self_contained
 from dstl.errors import (
     CheckpointDeclinedError,
@@ -56,6 +69,7 @@ from dstl.errors import (
     StorageError,
 )
 from dstl.fileio import FileIO
+from dstl.gil import CHECKPOINT_GIL_SLICE_S, short_gil_slices
 from dstl.options import Converter, parse_dotted
 
 log = logging.getLogger(__name__)
@@ -128,12 +142,15 @@ class PendingCheckpoint:
     kind: str
     acks: dict[TaskId, SubtaskState] = field(default_factory=dict)
     triggered_wall: float = 0.0  # epoch seconds, for the record (``triggered_at`` is the clock's)
+    trigger_ms: float = 0.0  # reserving the id, before the barriers were injected
+    ack_delay_ms: float = 0.0  # the last ack: sent by its task until this thread took it
 
 
 @dataclass(frozen=True, slots=True)
 class _Ack:
     checkpoint_id: int
     state: SubtaskState
+    sent: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +158,12 @@ class _Decline:
     checkpoint_id: int
     task: TaskId
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    checkpoint_id: int
+    result: Future[tuple[Retention, float, int | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +187,18 @@ class CheckpointCoordinator:
 
     Owned by one coordinator thread (the one calling :meth:`tick`, :meth:`trigger`,
     :meth:`trigger_manual`); :meth:`acknowledge`, :meth:`decline` and
-    :meth:`request_savepoint` are thread-safe (they only enqueue). ``trigger_tasks(id)``
-    injects barriers at the sources; ``notify_complete(id, last_subsumed_id)`` and
+    :meth:`request_savepoint` are thread-safe (they only enqueue). Records are written by
+    ``committer`` (default: one thread, ``coordinator-commit``, joined by :meth:`close`;
+    tests pass an executor they drive), whose results are applied on the next tick.
+    ``trigger_tasks(id)`` injects barriers at the sources; ``notify_complete(id, last_subsumed_id)`` and
     ``notify_abort(id, reason)`` reach every task. ``before_commit(cp)`` runs right before
     the record is written (a test hook: every file of ``cp`` is durable, nothing recorded).
-    The deleter thread (``coordinator-deleter``) is joined by :meth:`close`.
+    ``offer_compactions(found)``, if given, gets the offline compactions registered since
+    the last trigger, looked up at each trigger (in the transaction that reserves the id,
+    or in a read when the previous record reserved it) before the barriers are injected:
+    the tasks adopt them at that barrier without a lookup of their own. ``wakeup()`` is called (on the calling thread) whenever a message for the
+    next :meth:`tick` was queued. The deleter thread (``coordinator-deleter``) is joined
+    by :meth:`close`.
     """
 
     def __init__(
@@ -183,6 +213,9 @@ class CheckpointCoordinator:
         options: CheckpointOptions | None = None,
         before_commit: Callable[[CompletedCheckpoint], None] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        offer_compactions: Callable[[list[RegisteredCompaction]], None] | None = None,
+        wakeup: Callable[[], None] = lambda: None,
+        committer: Executor | None = None,
     ) -> None:
         self.store = store
         self.job_id = job_id
@@ -192,6 +225,9 @@ class CheckpointCoordinator:
         self._notify_abort = notify_abort
         self._fileio = fileio
         self._before_commit = before_commit
+        self._offer_compactions = offer_compactions
+        self._compactions_seen = 0  # the highest compaction id offered
+        self._wakeup = wakeup
         # ``now`` drives the state machine (monotonic, injectable); records get wall time.
         self._wall_clock = wall_clock
         self.options = options or CheckpointOptions()
@@ -205,12 +241,25 @@ class CheckpointCoordinator:
         self._last_completion: float | None = None
         self._previous_files: set[str] | None = None
         self._savepoints: dict[int, Future[CompletedCheckpoint]] = {}
-        self._inbox: queue.Queue[_Ack | _Decline | _SavepointRequest] = queue.Queue()
+        self._inbox: queue.Queue[_Ack | _Decline | _SavepointRequest | _Committed] = queue.Queue()
         self._deleter = ThreadPoolExecutor(1, thread_name_prefix="coordinator-deleter")
+        self._committer = committer or ThreadPoolExecutor(
+            1, thread_name_prefix="coordinator-commit"
+        )
+        # checkpoint id -> (pending, record): every ack arrived, the record is being (or
+        # waits to be) written, in completion order; ``_recording``: the one being written
+        self.committing: dict[int, tuple[PendingCheckpoint, CompletedCheckpoint]] = {}
+        self._recording: int | None = None
+        self._reserved_id: int | None = None  # reserved with the last record, unused
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
+        self._slices = contextlib.ExitStack()  # short GIL slices while any is pending
+        self._slices_held = False
 
     def close(self) -> None:
         """Finish outstanding deletions, join the deleter thread, fail open savepoints."""
+        self._slices.close()
+        self._slices_held = False
+        self._committer.shutdown(wait=True)  # a record being written lands (or not)
         self._deleter.shutdown(wait=True)
         stopped = CheckpointError(f"job {self.job_id} stopped before the savepoint completed")
         for fut in self._savepoints.values():
@@ -227,11 +276,15 @@ class CheckpointCoordinator:
     # -- thread-safe entry points -----------------------------------------------------
     def acknowledge(self, checkpoint_id: int, state: SubtaskState) -> None:
         """A task finished its part of ``checkpoint_id``. Any thread."""
-        self._inbox.put(_Ack(checkpoint_id, state))
+        self._post(_Ack(checkpoint_id, state))
 
     def decline(self, checkpoint_id: int, task: TaskId, reason: str) -> None:
         """A task cannot take ``checkpoint_id``; it will be aborted. Any thread."""
-        self._inbox.put(_Decline(checkpoint_id, task, reason))
+        self._post(_Decline(checkpoint_id, task, reason))
+
+    def _post(self, msg: _Ack | _Decline | _Committed) -> None:
+        self._inbox.put(msg)
+        self._wakeup()
 
     def request_savepoint(self) -> Future[CompletedCheckpoint]:
         """Ask for a savepoint on the next tick. Any thread.
@@ -268,6 +321,8 @@ class CheckpointCoordinator:
                 return
             if isinstance(msg, _Ack):
                 self._on_ack(msg, now)
+            elif isinstance(msg, _Committed):
+                self._on_committed(msg, now)
             elif isinstance(msg, _SavepointRequest):
                 if msg.future.set_running_or_notify_cancel():
                     self._savepoints[self.trigger(now, SAVEPOINT)] = msg.future
@@ -296,14 +351,45 @@ class CheckpointCoordinator:
         """Start a checkpoint now, without pre-checks (see :meth:`tick`, :meth:`trigger_manual`)."""
         if kind not in (CHECKPOINT, SAVEPOINT):
             raise ConfigError(f"unknown checkpoint kind {kind!r}")
-        checkpoint_id = self.store.next_checkpoint_id(self.job_id)
+        if not self._slices_held:
+            # Our own part of a checkpoint is a chain of threads handing work on (the
+            # coordinator's commits, the upload thread, the encoder's and the disk's
+            # replies, the acks), each waiting for the GIL a busy task thread holds
+            # for a whole switch interval (5 ms): short slices until it is recorded.
+            self._slices.enter_context(short_gil_slices(CHECKPOINT_GIL_SLICE_S))
+            self._slices_held = True
+        started, triggered_wall = time.perf_counter(), self._wall_clock()
+        found: list[RegisteredCompaction] = []
+        reserved, self._reserved_id = self._reserved_id, None
+        if reserved is not None:
+            # No write: the commit before reserved it. Used only if it is still the
+            # newest id of the job: one taken since (``statectl savepoint``) must stay
+            # above every checkpoint recorded after it.
+            last, found = self.store.peek_sequence(self.job_id, self._compactions_seen)
+            if last != reserved:
+                reserved, found = None, []
+        if reserved is not None:
+            checkpoint_id = reserved
+        elif self._offer_compactions is None:
+            checkpoint_id = self.store.next_checkpoint_id(self.job_id)
+        else:
+            checkpoint_id, found = self.store.reserve_checkpoint(
+                self.job_id, self._compactions_seen
+            )
         self.pending[checkpoint_id] = PendingCheckpoint(
-            checkpoint_id, now, kind, triggered_wall=self._wall_clock()
+            checkpoint_id,
+            now,
+            kind,
+            triggered_wall=triggered_wall,  # before the lookups: they see what came before
+            trigger_ms=round((time.perf_counter() - started) * 1e3, 3),
         )
         self.last_triggered_id = checkpoint_id
         if kind == CHECKPOINT:
             self._last_trigger = now
         log.debug("checkpoint triggered id=%d kind=%s", checkpoint_id, kind)
+        if found and self._offer_compactions is not None:
+            self._compactions_seen = max(c.compaction_id for c in found)
+            self._offer_compactions(found)
         self._trigger_tasks(checkpoint_id)
         return checkpoint_id
 
@@ -335,6 +421,7 @@ class CheckpointCoordinator:
             log.info("duplicate ack ignored checkpoint=%d task=%s/%d", cid, *task)
             return
         cp.acks[task] = ack.state
+        cp.ack_delay_ms = round((time.perf_counter() - ack.sent) * 1e3, 3)
         if len(cp.acks) == len(self.tasks):
             self._complete(cp, now)
 
@@ -376,18 +463,46 @@ class CheckpointCoordinator:
             completed.subtasks,
             stats,
         )
+        self.committing[cp.checkpoint_id] = (cp, completed)
+        self._previous_files = set(completed.files())
+        self._record_next()
+
+    def _record_next(self) -> None:
+        """Hand the oldest waiting record to the committer unless one is being written:
+        one at a time, each after the one before was applied here (so a listener that
+        fails the job stops every later record)."""
+        if self._recording is not None or not self.committing:
+            return
+        cid, (_, completed) = next(iter(self.committing.items()))
+        self._recording = cid
+        record = self._committer.submit(self._record, completed)
+        record.add_done_callback(lambda f: self._post(_Committed(cid, f)))
+
+    def _record(self, completed: CompletedCheckpoint) -> tuple[Retention, float, int | None]:
+        """The committer thread: write the record (and reserve the next checkpoint's id in
+        the same transaction). Returns the retention, the milliseconds it took, the id."""
         if self._before_commit is not None:
             self._before_commit(completed)
+        started = time.perf_counter()
+        retention, next_id = self.store.record_completed_and_reserve(completed, self.options.retain)
+        return retention, (time.perf_counter() - started) * 1e3, next_id
+
+    def _on_committed(self, msg: _Committed, now: float) -> None:
+        """A record's commit ended: the checkpoint is complete (or its outcome unknown)."""
+        cp, completed = self.committing.pop(msg.checkpoint_id)
+        self._recording = None
         try:
-            retention = self.store.record_completed(completed, self.options.retain)
+            retention, record_ms, next_id = msg.result.result()
         except MetadataStoreError as exc:
             # Unknown outcome: the commit may have landed. Delete nothing; late acks of
             # this id are not "aborted" either.
             self._abort(cp, exc, now, known_aborted=False)
+            self._record_next()
             return
+        if next_id is not None and next_id > self.last_triggered_id:
+            self._reserved_id = next_id
         self.completed.append(completed)
         self.latest_completed_id = max(self.latest_completed_id, cp.checkpoint_id)
-        self._previous_files = set(completed.files())
         if cp.kind == CHECKPOINT:
             self._last_completion = now
             self.consecutive_failures = 0
@@ -402,16 +517,19 @@ class CheckpointCoordinator:
         candidates = [p.checkpoint_id for p in subsumed] + list(retention.removed_ids)
         last_subsumed = max(candidates) if candidates else None
         log.info(
-            "checkpoint completed id=%d kind=%s duration_ms=%.1f released=%d",
+            "checkpoint completed id=%d kind=%s duration_ms=%.1f record_ms=%.3f released=%d",
             cp.checkpoint_id,
             cp.kind,
             (now - cp.triggered_at) * 1e3,
+            record_ms,
             len(retention.released),
         )
         if retention.released:
             self._deleter.submit(self._delete, retention.released)
         if cp.kind == SAVEPOINT:  # the originals of private files were copied: garbage now
-            private = [f for s in states for f in checkpoint_private_files(s, cp.checkpoint_id)]
+            private = [
+                f for s in completed.subtasks for f in checkpoint_private_files(s, cp.checkpoint_id)
+            ]
             if private:
                 self._deleter.submit(self._release_unreferenced, private)
         self._notify_complete(cp.checkpoint_id, last_subsumed)
@@ -420,6 +538,14 @@ class CheckpointCoordinator:
             fut.set_result(completed)
         for listener in self.listeners:
             listener(completed)
+        self._record_next()
+        self._settled()
+
+    def _settled(self) -> None:
+        """Back to the default switch interval once nothing is pending or committing."""
+        if self._slices_held and not self.pending and not self.committing:
+            self._slices.close()
+            self._slices_held = False
 
     def _stats(
         self, completed: CompletedCheckpoint, cp: PendingCheckpoint, now: float
@@ -427,7 +553,9 @@ class CheckpointCoordinator:
         if self._previous_files is None:
             latest = self.store.latest(self.job_id)
             self._previous_files = set(latest.files()) if latest is not None else set()
-        return checkpoint_stats(completed, self._previous_files, (now - cp.triggered_at) * 1e3)
+        stats = checkpoint_stats(completed, self._previous_files, (now - cp.triggered_at) * 1e3)
+        stats.update(trigger_ms=cp.trigger_ms, ack_delay_ms=cp.ack_delay_ms)
+        return stats
 
     def _abort(
         self,
@@ -439,6 +567,7 @@ class CheckpointCoordinator:
     ) -> None:
         reason = str(error)
         self.pending.pop(cp.checkpoint_id, None)
+        self._settled()
         log.warning("checkpoint aborted id=%d reason=%s", cp.checkpoint_id, reason)
         if known_aborted:
             self.aborted[cp.checkpoint_id] = reason

@@ -305,6 +305,8 @@ def _lock_job(conn: Connection, job_id: str) -> bool:
     return bool(done.rowcount)
 
 
+_ROWS_PER_INSERT = 2000  # well below SQLite's bound parameters per statement (32766)
+
 MAX_ID = (1 << 63) - 1
 """The largest checkpoint id the schema holds (a signed 64-bit ``BIGINT``)."""
 
@@ -536,15 +538,45 @@ class MetadataStore:
     def next_checkpoint_id(self, job_id: str) -> int:
         """Reserve the next checkpoint id: strictly increasing, never reused, across restarts."""
         with self._tx() as conn:
+            return self._next_id(conn, job_id)
+
+    def reserve_checkpoint(
+        self, job_id: str, compactions_after: int
+    ) -> tuple[int, builtins.list[RegisteredCompaction]]:
+        """The next checkpoint id (as :meth:`next_checkpoint_id`) and, in the same
+        transaction, the job's undecided compactions with an id above
+        ``compactions_after`` (as :meth:`pending_compactions`): what the coordinator asks
+        once per trigger, so no task looks compactions up at its barrier."""
+        with self._tx() as conn:
+            checkpoint_id = self._next_id(conn, job_id)
+            return checkpoint_id, compaction_registry.pending(conn, job_id, None, compactions_after)
+
+    def peek_sequence(
+        self, job_id: str, compactions_after: int
+    ) -> tuple[int, builtins.list[RegisteredCompaction]]:
+        """The job's last reserved checkpoint id and its undecided compactions with an id
+        above ``compactions_after``, in one read (no write, no lock): whether an id the
+        caller reserved earlier is still the newest, and what :meth:`reserve_checkpoint`
+        would have found."""
+        with self._tx() as conn:
             row = conn.execute(
-                sa.update(jobs)
-                .where(jobs.c.job_id == job_id)
-                .values(last_checkpoint_id=jobs.c.last_checkpoint_id + 1)
-                .returning(jobs.c.last_checkpoint_id)
+                sa.select(jobs.c.last_checkpoint_id).where(jobs.c.job_id == job_id)
             ).first()
             if row is None:
                 raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
-            return int(row[0])
+            return int(row[0]), compaction_registry.pending(conn, job_id, None, compactions_after)
+
+    @staticmethod
+    def _next_id(conn: Connection, job_id: str) -> int:
+        row = conn.execute(
+            sa.update(jobs)
+            .where(jobs.c.job_id == job_id)
+            .values(last_checkpoint_id=jobs.c.last_checkpoint_id + 1)
+            .returning(jobs.c.last_checkpoint_id)
+        ).first()
+        if row is None:
+            raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
+        return int(row[0])
 
     # -- completed checkpoints --------------------------------------------------------
     def add_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> list[str]:
@@ -561,25 +593,37 @@ class MetadataStore:
         removed here). Returns the removed checkpoint ids and the files no longer
         referenced by any checkpoint of any job: the caller deletes them after this returns.
         """
+        with self._tx() as conn:
+            return self._record(conn, checkpoint, retain)
+
+    def record_completed_and_reserve(
+        self, checkpoint: CompletedCheckpoint, retain: int
+    ) -> tuple[Retention, int]:
+        """:meth:`record_completed`, and in the same transaction reserve the job's next
+        checkpoint id (:meth:`next_checkpoint_id`): the coordinator's next trigger then
+        writes nothing (one commit, one sync to disk, per checkpoint)."""
+        with self._tx() as conn:
+            retention = self._record(conn, checkpoint, retain)
+            return retention, self._next_id(conn, checkpoint.job_id)
+
+    def _record(self, conn: Connection, cp: CompletedCheckpoint, retain: int) -> Retention:
         if retain < 1:
             raise MetadataStoreError("retain must be >= 1")
-        cp = checkpoint
-        with self._tx() as conn:
-            _lock_job(conn, cp.job_id)
-            self._insert(conn, cp)
-            expired = [
-                int(r[0])
-                for r in conn.execute(
-                    sa.select(checkpoints.c.checkpoint_id)
-                    .where(checkpoints.c.job_id == cp.job_id, checkpoints.c.kind == "checkpoint")
-                    .order_by(checkpoints.c.checkpoint_id.desc())
-                    .offset(retain)
-                )
-            ]
-            released = set(self._remove(conn, cp.job_id, expired))
-            decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(cp.files()))
-            released.update(self._unreferenced(conn, decided))
-            return Retention(tuple(sorted(expired)), sorted(released))
+        _lock_job(conn, cp.job_id)
+        self._insert(conn, cp)
+        expired = [
+            int(r[0])
+            for r in conn.execute(
+                sa.select(checkpoints.c.checkpoint_id)
+                .where(checkpoints.c.job_id == cp.job_id, checkpoints.c.kind == "checkpoint")
+                .order_by(checkpoints.c.checkpoint_id.desc())
+                .offset(retain)
+            )
+        ]
+        released = set(self._remove(conn, cp.job_id, expired))
+        decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(cp.files()))
+        released.update(self._unreferenced(conn, decided))
+        return Retention(tuple(sorted(expired)), sorted(released))
 
     def record_savepoint(self, savepoint: CompletedCheckpoint) -> None:
         """Record a savepoint made outside the coordinator (``statectl savepoint``).
@@ -606,28 +650,34 @@ class MetadataStore:
                 stats=json.dumps(cp.stats, sort_keys=True),
             )
         )
+        # One multi-row INSERT per table, not one statement per row: the driver gives the
+        # GIL up and takes it back at every statement it steps, and beside a busy task
+        # thread each take costs up to a switch interval (a record references every log
+        # segment since the last materialization, tens of files).
         if cp.subtasks:
             conn.execute(
-                sa.insert(subtask_states),
-                [
-                    {
-                        "job_id": cp.job_id,
-                        "checkpoint_id": cp.checkpoint_id,
-                        "operator": s.operator,
-                        "subtask": s.subtask,
-                        "state": s.to_json(),
-                    }
-                    for s in cp.subtasks
-                ],
+                sa.insert(subtask_states).values(
+                    [
+                        {
+                            "job_id": cp.job_id,
+                            "checkpoint_id": cp.checkpoint_id,
+                            "operator": s.operator,
+                            "subtask": s.subtask,
+                            "state": s.to_json(),
+                        }
+                        for s in cp.subtasks
+                    ]
+                )
             )
         files = cp.files()
-        if files:
+        for start in range(0, len(files), _ROWS_PER_INSERT):
             conn.execute(
-                sa.insert(file_refs),
-                [
-                    {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
-                    for f in files
-                ],
+                sa.insert(file_refs).values(
+                    [
+                        {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
+                        for f in files[start : start + _ROWS_PER_INSERT]
+                    ]
+                )
             )
 
     def _remove(self, conn: Connection, job_id: str, ids: Sequence[int]) -> list[str]:

@@ -11,7 +11,8 @@ batches the persist requests of all its writers into one segment file per upload
 completes their futures, and a small named pool (``dstl-attempt-<worker>``) running upload
 attempts (retried and hedged, see :mod:`dstl.retry`). Results reach the task thread through
 those futures; no lock is held across I/O. Both are joined in :meth:`ChangelogStorage.close`.
-The upload thread has segments encoded by the process's helper (:mod:`dstl.encoder`).
+The upload thread has segments encoded by the process's helper (:mod:`dstl.encoder`),
+but the small ones a persist waits for, which it encodes itself (:data:`ENCODE_HERE_BYTES`).
 
 Backpressure: bytes handed to uploads are bounded by ``in_flight_max_bytes``; a writer's
 pre-emptive upload (in ``append``) or ``persist`` blocks until they fit, and never fails
@@ -35,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,7 +44,7 @@ import pyarrow.compute as pc
 from dstl import layout
 from dstl._records import RecordColumns
 from dstl.buffer import ChangeBuffer, as_binary, as_int32
-from dstl.encoder import PendingBlock, shared_encoder
+from dstl.encoder import PendingBlock, encode_here, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.handles import ChangelogHandle
@@ -58,6 +59,10 @@ META_KEY_GROUP = -1
 _MAX_WINDOW = 10  # a batch stays open at most this many batch delays
 UNSEEN_BYTES_PER_ROW = 8.0  # estimate of a change record's encoded size before any upload
 SMALL_COLUMNS = 32  # append_columns of fewer rows (as Python lists) adds them as single records
+ENCODE_HERE_BYTES = 2 * 1024 * 1024
+"""A batch a persist waits for, up to this size, is encoded on the upload thread itself
+(:func:`~dstl.encoder.encode_here`); pre-emptive uploads and larger batches go to the
+helper process, off this process's GIL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,7 @@ class ChangelogOptions:
     ================================  ==========================================  =======
     ``dstl.batch.delay-s``            batch persists arriving within this gap     0.010
     ``dstl.batch.max-bytes``          ...or until this many bytes are waiting     16 MiB
-    ``dstl.preemptive-persist-bytes`` upload a writer's buffer above this size    5 MiB
+    ``dstl.preemptive-persist-bytes`` upload a writer's buffer above this size    1 MiB
     ``dstl.in-flight.max-bytes``      backpressure: bytes in uploads at most      100 MiB
     ``dstl.upload.max-attempts``      attempts per segment (hedges count)         3
     ``dstl.upload.attempt-timeout-s`` hedge an attempt slower than this ("none")  10
@@ -82,7 +87,11 @@ class ChangelogOptions:
 
     batch_delay_s: float = 0.010
     batch_max_bytes: int = 16 * 1024 * 1024
-    preemptive_persist_bytes: int = 5 * 1024 * 1024
+    # What a persist at a barrier may have to encode and write at most: ~35k changes,
+    # 5-8 ms of encoding on this VM. At 5 MiB the barrier's segment took 25-40 ms to
+    # encode (~220k changes a second at 1M uniform keys), most of our own part of a
+    # checkpoint; the uploads in between run beside the task, off the barrier's path.
+    preemptive_persist_bytes: int = 1024 * 1024
     in_flight_max_bytes: int = 100 * 1024 * 1024
     upload_max_attempts: int = 3
     upload_attempt_timeout_s: float | None = 10.0
@@ -137,12 +146,15 @@ class ChangelogOptions:
 
 @dataclass(slots=True)
 class _Upload:
-    """A range of a writer's log handed to the scheduler. Task thread owns the fields."""
+    """A range of a writer's log handed to the scheduler. Task thread owns the fields but
+    ``timings``, which the upload thread fills before it completes ``future``."""
 
     sqn_start: int
     sqn_end: int
     changes: ChangeBuffer | None  # sealed; None once uploaded
     future: Future[ChangelogHandle]
+    timings: dict[str, float] = field(default_factory=dict)
+    urgent: bool = False  # submitted by a persist (a barrier waits), not pre-emptively
 
 
 @dataclass(slots=True)
@@ -152,6 +164,10 @@ class _Request:
     sqn_end: int
     changes: ChangeBuffer
     future: Future[ChangelogHandle]
+    timings: dict[str, float]
+    urgent: bool
+    submitted: float = 0.0  # perf_counter() when queued
+    taken: float = 0.0  # perf_counter() when the upload thread took it
 
     @property
     def nbytes(self) -> int:
@@ -181,6 +197,7 @@ class ChangelogWriter:
         self._uploads: list[_Upload] = []
         self._truncated_to: int | None = None
         self._closed = False
+        self._last_timings: dict[str, float] = {}
 
     # -- appending --------------------------------------------------------------------
     def append(
@@ -304,14 +321,14 @@ class ChangelogWriter:
         return self._active_sqn
 
     # -- persisting -------------------------------------------------------------------
-    def _submit_buffer(self) -> None:
+    def _submit_buffer(self, urgent: bool = False) -> None:
         boundary = self.next_sqn()
         if not len(self._buffer):
             return
         changes = self._buffer
         changes.seal()
         self._buffer = ChangeBuffer()
-        upload = _Upload(self._buffer_start, boundary, changes, Future())
+        upload = _Upload(self._buffer_start, boundary, changes, Future(), urgent=urgent)
         self._buffer_start = boundary
         self._uploads.append(upload)
         self._storage._submit(self.writer_id, upload)
@@ -343,7 +360,7 @@ class ChangelogWriter:
                 f"writer {self.writer_id}: cannot persist from sqn {from_sqn}, "
                 f"the log was truncated to {self._truncated_to}"
             )
-        self._submit_buffer()
+        self._submit_buffer(urgent=True)
         wanted: list[_Upload] = []
         for upload in self._uploads:
             if upload.sqn_end <= from_sqn:
@@ -355,6 +372,7 @@ class ChangelogWriter:
                 self._storage._submit(self.writer_id, upload)
             wanted.append(upload)
         self._storage._tracker.claim(self.writer_id, checkpoint_id, [u.sqn_start for u in wanted])
+        self._last_timings = wanted[-1].timings if wanted else {}
         self._drop_durable_changes()
         log.debug(
             "persist writer=%s from=%d checkpoint=%d uploads=%d",
@@ -364,6 +382,15 @@ class ChangelogWriter:
             len(wanted),
         )
         return _all_of([u.future for u in wanted])
+
+    def last_persist_timings(self) -> dict[str, float]:
+        """Where the last :meth:`persist`'s newest upload spent its time, in ms: waiting
+        for the upload thread (``persist_queue_ms``), in the sharing window
+        (``persist_window_ms``), encoding (``encode_ms``), writing durably (``write_ms``),
+        and the segment's ``segment_blocks``. The upload thread fills the dict before the
+        persist's future completes; read it after that. Empty for a persist with nothing
+        to upload."""
+        return self._last_timings
 
     def truncate(self, to_sqn: int) -> None:
         """Forget changes below ``to_sqn`` (materialized; no future checkpoint needs them).
@@ -396,13 +423,14 @@ class ChangelogWriter:
 
         Futures already returned still complete (their uploads hold what they send). A
         closed writer cannot persist, so its buffer and the copies kept for re-sending
-        failed uploads are dropped: up to two buffers (10 MiB by default) that would
+        failed uploads are dropped: up to two buffers (2 MiB by default) that would
         otherwise stay until the owner, often part of a reference cycle, is collected.
         """
         self._closed = True
         self._buffer = ChangeBuffer()
         for upload in self._uploads:
             upload.changes = None
+        self._storage._writer_closed(self.writer_id)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -440,8 +468,8 @@ class ChangelogStorage:
 
     Thread-safe: writers (on their task threads) submit through a queue; the upload thread
     (named ``dstl-upload-<worker>``) owns the batching; attempts run on the named pool
-    ``dstl-attempt-<worker>``. ``self._lock`` guards the segment counter only; the budget
-    and the tracker guard themselves. In-flight bytes are bounded by
+    ``dstl-attempt-<worker>``. ``self._lock`` guards the segment counter and the set of open
+    writers; the budget and the tracker guard themselves. In-flight bytes are bounded by
     ``options.in_flight_max_bytes``: submitting blocks (backpressure) instead of failing.
     ``clock`` may be a plain ``() -> float`` or a :class:`~dstl.retry.Clock` (tests pass a
     :class:`~dstl.retry.ManualClock` to drive hedging without sleeping). With
@@ -468,6 +496,7 @@ class ChangelogStorage:
         self._lock = threading.Lock()
         self.budget = InFlightBudget(self.options.in_flight_max_bytes)
         self._tracker = SegmentTracker()
+        self._writers: set[str] = set()  # open writers: a batch holding all of them closes
         self._counter = 0
         # segment-name nonces: seeded from the OS once; a syscall per name would cost
         # the busy task thread a GIL hand-off (see dstl/_durable.c)
@@ -495,8 +524,17 @@ class ChangelogStorage:
         self.close()
 
     def create_writer(self, writer_id: str, initial_sqn: int = 0) -> ChangelogWriter:
-        """A new writer for one backend instance; ``writer_id`` must be unique in the job."""
-        return ChangelogWriter(self, writer_id, initial_sqn)
+        """A new writer for one backend instance; ``writer_id`` must be unique in the job.
+
+        Open writers are what a batch of persists waits for (see :meth:`drain_once`)."""
+        writer = ChangelogWriter(self, writer_id, initial_sqn)
+        with self._lock:
+            self._writers.add(writer.writer_id)
+        return writer
+
+    def _writer_closed(self, writer_id: str) -> None:
+        with self._lock:
+            self._writers.discard(writer_id)
 
     def tracked_segments(self) -> dict[str, bool]:
         """Relative paths of tracked segments -> whether handed over to the coordinator."""
@@ -507,7 +545,16 @@ class ChangelogStorage:
         self._tracker.submitted(writer_id, upload.sqn_start, upload.sqn_end)
         self.budget.acquire(upload.changes.nbytes)  # backpressure: blocks, never fails
         self._queue.put(
-            _Request(writer_id, upload.sqn_start, upload.sqn_end, upload.changes, upload.future)
+            _Request(
+                writer_id,
+                upload.sqn_start,
+                upload.sqn_end,
+                upload.changes,
+                upload.future,
+                upload.timings,
+                upload.urgent,
+                time.perf_counter(),
+            )
         )
 
     def _delete_later(self, paths: list[str]) -> None:
@@ -536,17 +583,23 @@ class ChangelogStorage:
         if isinstance(first, _Delete):
             self._delete(first.paths)
             return True
+        first.taken = time.perf_counter()
         batch = [first]
         deletes: list[str] = []
         size = first.nbytes
+        with self._lock:
+            waiting = set(self._writers)
+        waiting.discard(first.writer_id)
         # The batch closes once no request arrived for batch_delay_s (so the persists of
         # many writers at one checkpoint share a segment even when the task threads are
-        # slow to issue them), at the latest after _MAX_WINDOW delays, or when it is full.
+        # slow to issue them), at the latest after _MAX_WINDOW delays, or when it is full;
+        # and without waiting any longer once every open writer has a request in it
+        # (nobody is left to share the segment with: what is queued already still joins).
         opened = self._clock()
         deadline = opened + self.options.batch_delay_s
         stop = False
         while size < self.options.batch_max_bytes:
-            remaining = deadline - self._clock()
+            remaining = deadline - self._clock() if waiting else 0.0
             try:
                 nxt = self._queue.get(
                     block=block and remaining > 0, timeout=max(remaining, 0) if block else None
@@ -559,7 +612,9 @@ class ChangelogStorage:
             if isinstance(nxt, _Delete):
                 deletes.extend(nxt.paths)
                 continue
+            nxt.taken = time.perf_counter()
             batch.append(nxt)
+            waiting.discard(nxt.writer_id)
             size += nxt.nbytes
             deadline = min(
                 self._clock() + self.options.batch_delay_s,
@@ -589,10 +644,14 @@ class ChangelogStorage:
     def _upload(self, batch: list[_Request]) -> None:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
+        closed = time.perf_counter()
         try:
-            segment = self._encoder.encode(
-                [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
-            )
+            pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
+            if any(r.urgent for r in batch) and sum(r.nbytes for r in batch) <= ENCODE_HERE_BYTES:
+                segment = encode_here(pending)  # a barrier waits: no helper round trip
+            else:
+                segment = self._encoder.encode(pending)
+            encoded = time.perf_counter()
             data = segment.data
             write = HedgedWrite(
                 self._write_attempt,
@@ -620,9 +679,18 @@ class ChangelogStorage:
             for r in batch:
                 r.future.set_exception(err)
             return
+        written = time.perf_counter()
         with self._lock:
             self.segments_written += 1
         log.debug("segment uploaded key=%s bytes=%d blocks=%d", path, len(data), len(batch))
+        for r in batch:  # before the futures complete: their callbacks read these
+            r.timings.update(
+                persist_queue_ms=round((r.taken - r.submitted) * 1e3, 3),
+                persist_window_ms=round((closed - r.taken) * 1e3, 3),
+                encode_ms=round((encoded - closed) * 1e3, 3),
+                write_ms=round((written - encoded) * 1e3, 3),
+                segment_blocks=len(batch),
+            )
         deletable = self._tracker.uploaded(path, blocks)
         self.budget.release(sum(r.nbytes for r in batch))
         for i, r in enumerate(batch):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,7 +33,6 @@ from coordinator.metadata import CompletedCheckpoint
 from coordinator.options import RuntimeOptions
 from coordinator.sink import Publisher, TransactionalSink
 from dstl.changelog import ChangelogStorage
-from dstl.errors import MetadataStoreError
 from dstl.fileio import FileIO
 from dstl.upload import Uploader
 from materializer import (
@@ -43,10 +44,6 @@ from materializer import (
 )
 
 log = logging.getLogger(__name__)
-
-CompactionLookup = Callable[[str, str, int, int], list[RegisteredCompaction]]
-"""``(job, operator, subtask, after_id)``: undecided compactions of one subtask registered
-after ``after_id``, newest source first (``MetadataStore.pending_compactions``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +98,15 @@ class KeyedOperator:
         clock: Callable[[], float],
         processing_ms: Callable[[], int],
         uploader: Uploader,
-        compactions: CompactionLookup,
     ) -> None:
         self.node = node
         self._job_id = job_id
+        self.slot = (node.name, subtask)
         self._subtask = subtask
         self._online = options.materialization == "online"
-        self._compactions = compactions
-        self._compactions_seen = 0  # the highest registered compaction id looked at
+        self._offered: queue.SimpleQueue[list[RegisteredCompaction]] = queue.SimpleQueue()
+        self._timings: dict[str, float] = {}
+        self._persist_timings: dict[str, float] = {}
         self.compactions_adopted = 0
         self.key_groups = KeyGroupRange.for_subtask(subtask, node.parallelism, node.max_parallelism)
         backend_id = f"{node.name}-{subtask}-a{attempt:04d}"
@@ -211,26 +209,44 @@ class KeyedOperator:
 
     def snapshot(self, checkpoint_id: int) -> Future[tuple[Any, ...]]:
         """Persist the state up to now (async); the future gets the handles."""
+        started = time.perf_counter()
         self._adopt_compaction()
+        self._timings = {"compaction_check_ms": round((time.perf_counter() - started) * 1e3, 3)}
         if self.full is None:
             self.materialization.on_barrier(checkpoint_id)
-        return _mapped(self.backend.checkpoint(checkpoint_id), lambda h: (h,))
+        future = _mapped(self.backend.checkpoint(checkpoint_id), lambda h: (h,))
+        if isinstance(self.backend, ChangelogKeyedStateBackend):
+            self._persist_timings = self.backend.writer.last_persist_timings()
+        return future
+
+    def snapshot_timings(self) -> list[dict[str, float]]:
+        """Where the last :meth:`snapshot` spent its time (ms): the compaction check and,
+        with the changelog, the persist's steps (see
+        :meth:`~dstl.changelog.ChangelogWriter.last_persist_timings`). The dicts are
+        filled until the snapshot's future completes: merge them after that."""
+        return [self._timings, self._persist_timings]
+
+    def offer_compactions(self, found: list[RegisteredCompaction]) -> None:
+        """Offline compactions of this subtask, newest source first, registered since the
+        last offer: looked at at the next barrier. Any thread (the coordinator's offers
+        them right before it injects that barrier)."""
+        self._offered.put(found)
 
     def _adopt_compaction(self) -> None:
-        """Rest this subtask's state on the newest offline compaction registered for it
-        since the last look, if the backend accepts it (``adopt``: not older than its
-        base, nothing its history lacks). At a barrier, before the checkpoint, so that
-        the checkpoint references it; the metadata store decides the registration when
-        the checkpoint is recorded (:mod:`coordinator.compactions`)."""
+        """Rest this subtask's state on the newest offline compaction offered for it since
+        the last barrier, if the backend accepts it (``adopt``: not older than its base,
+        nothing its history lacks). At a barrier, before the checkpoint, so that the
+        checkpoint references it; the metadata store decides the registration when the
+        checkpoint is recorded (:mod:`coordinator.compactions`). No I/O: the coordinator
+        looked them up when it triggered the checkpoint."""
+        if self._offered.empty():
+            return
+        found: list[RegisteredCompaction] = []
+        while not self._offered.empty():
+            found = self._offered.get_nowait() + found  # the newest offer first
         if not isinstance(self.backend, ChangelogKeyedStateBackend):
             return
         name = self.node.name
-        try:
-            found = self._compactions(self._job_id, name, self._subtask, self._compactions_seen)
-        except MetadataStoreError as exc:  # looked at again at the next barrier
-            log.warning("compactions not looked up task=%s-%d error=%s", name, self._subtask, exc)
-            return
-        self._compactions_seen = max([self._compactions_seen, *(c.compaction_id for c in found)])
         for c in found:  # newest source first
             if self.backend.adopt(c.handle):
                 self.compactions_adopted += 1
@@ -314,6 +330,10 @@ class SinkOperator:
     def checkpoint_stats(self) -> dict[str, Any]:
         """No statistics of its own."""
         return {}
+
+    def snapshot_timings(self) -> list[dict[str, float]]:
+        """None: staging is synchronous (the task's ``snapshot_ms``)."""
+        return []
 
     def notified(self, message: Notify) -> None:
         """Publish the staged transactions the completed checkpoint covers."""

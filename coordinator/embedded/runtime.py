@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from backends import localdirs
 from coordinator.checkpoint import CheckpointCoordinator
+from coordinator.compactions import RegisteredCompaction
 from coordinator.embedded.channel_state import ChannelState, read_channel_state
 from coordinator.embedded.gate import DebloatOptions, InputGate
 from coordinator.embedded.operators import KeyedOperator, Notify, Operator, SinkOperator
@@ -245,7 +246,7 @@ class EmbeddedRuntime:
                 for cp in list(coordinator.pending.values()):
                     if now - cp.triggered_at >= self.options.checkpoint.timeout_s:
                         raise JobFailedError(f"final checkpoint {cp.checkpoint_id} timed out")
-                if final_id not in coordinator.pending:
+                if final_id not in coordinator.pending and final_id not in coordinator.committing:
                     if coordinator.latest_completed_id >= final_id and not carries_in_flight(
                         coordinator.completed[-1]
                     ):
@@ -283,6 +284,8 @@ class _Job:
             fileio,
             o.checkpoint,
             before_commit=runtime._before_commit,
+            offer_compactions=self._offer_compactions,
+            wakeup=runtime._wakeup.set,
         )
         if runtime._on_checkpoint is not None:
             self.coordinator.listeners.append(runtime._on_checkpoint)
@@ -304,6 +307,13 @@ class _Job:
         now = self.rt._clock()
         for s in self.sources:
             s.control.put(Trigger(cid, now))
+
+    def _offer_compactions(self, found: list[RegisteredCompaction]) -> None:
+        for op in self.operators:
+            if isinstance(op, KeyedOperator):
+                mine = [c for c in found if (c.operator, c.subtask) == op.slot]
+                if mine:
+                    op.offer_compactions(mine)
 
     def _notify(self, cid: int, completed: bool) -> None:
         # An abort after an unknown commit outcome may still be a recorded checkpoint:
@@ -396,7 +406,6 @@ class _Job:
             rt._clock,
             rt._processing_ms,
             self.uploader,
-            self.coordinator.store.pending_compactions,
         )
 
     def _replay_of(

@@ -338,6 +338,8 @@ class StreamTask:
         started = self.env.clock()
         stats = {**self.gate.stats.pop(cid, {}), **self.operator.checkpoint_stats()}
         future = self.operator.snapshot(cid)
+        stats["snapshot_ms"] = round((self.env.clock() - started) * 1e3, 3)
+        stats["timings"] = self.operator.snapshot_timings()
         if barrier.unaligned:
             self.writer.broadcast_priority(barrier)
             self._unaligned[cid] = (future, started, stats)  # acked with its in-flight data
@@ -383,6 +385,8 @@ class StreamTask:
                 env.coordinator.decline(checkpoint_id, (name, subtask), str(exc))
                 return
             stats["async_ms"] = round((env.clock() - started) * 1e3, 3)
+            for timings in stats.pop("timings", ()):  # complete now (see snapshot_timings)
+                stats.update(timings)
             if extra:
                 stats["in_flight_records"] = sum(h.records for h in extra)
             env.coordinator.acknowledge(

@@ -5,8 +5,10 @@ Every test runs against SQLite and a real PostgreSQL server (``metadata_url``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -19,13 +21,54 @@ from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
 
 JOB = "j"
+T = TypeVar("T")
 TASKS = [("src", 0), ("op", 0)]
+
+
+class Inline(Executor):
+    """Runs what is submitted at once, on the caller's thread (records commit in the tick
+    that completed them)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        f: Future[T] = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            f.set_exception(exc)
+        return f
+
+
+class Held(Executor):
+    """Holds what is submitted until :meth:`run` (a commit that takes its time)."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Future[Any], Callable[[], Any]]] = []
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        f: Future[T] = Future()
+        self.queued.append((f, lambda: fn(*args, **kwargs)))
+        return f
+
+    def run(self) -> None:
+        while self.queued:
+            f, call = self.queued.pop(0)
+            try:
+                f.set_result(call())
+            except BaseException as exc:
+                f.set_exception(exc)
 
 
 class Harness:
     """A coordinator with fake tasks that record what they were told."""
 
-    def __init__(self, store: MetadataStore, fileio: FileIO, options: CheckpointOptions) -> None:
+    def __init__(
+        self,
+        store: MetadataStore,
+        fileio: FileIO,
+        options: CheckpointOptions,
+        committer: Executor | None = None,
+        wakeup: Callable[[], None] = lambda: None,
+    ) -> None:
         self.store = store
         self.fileio = fileio
         self.triggered: list[int] = []
@@ -43,6 +86,8 @@ class Harness:
             fileio,
             options,
             before_commit=self.before_commit.append,
+            committer=committer or Inline(),
+            wakeup=wakeup,
         )
 
     def file(self, name: str, data: bytes = b"x" * 10) -> str:
@@ -94,6 +139,72 @@ def test_interval_and_min_pause_gate_periodic_triggers(
     assert h.triggered == [1]
     h.coord.tick(2.5)
     assert h.triggered == [1, 2]
+
+
+def test_the_next_checkpoint_runs_while_a_record_commits_and_nothing_is_confirmed_before(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    held = Held()  # the committer thread, stopped before it writes
+    h = Harness(store, FileIO(str(tmp_path / "state")), CheckpointOptions(), held)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)
+    assert 1 in h.coord.committing and not h.coord.pending
+    h.coord.tick(1.0)  # max-concurrent 1: the checkpoint committing does not hold the next
+    assert h.triggered == [1, 2]
+    h.ack_all(2, ["a", "b"])
+    h.coord.tick(1.1)
+    # every ack is in, but nothing is recorded: no task (no sink) was told of a completion
+    assert h.completed == [] and h.before_commit == [] and store.latest(JOB) is None
+    assert sorted(h.coord.committing) == [1, 2] and h.coord.latest_completed_id == 0
+    held.run()  # 1 lands; 2 waits until 1 was applied
+    assert [c.checkpoint_id for c in h.before_commit] == [1]
+    assert store.latest(JOB).checkpoint_id == 1  # type: ignore[union-attr]
+    assert h.completed == []  # applied on the coordinator thread's next tick only
+    h.coord.tick(1.2)
+    assert h.completed == [(1, None)] and list(h.coord.committing) == [2]
+    held.run()
+    assert [c.checkpoint_id for c in h.before_commit] == [1, 2]
+    h.coord.tick(1.3)
+    assert h.completed == [(1, None), (2, 1)] and not h.coord.committing
+    h.coord.tick(2.0)  # the id reserved with the last record: no write at the trigger
+    assert h.triggered[:2] == [1, 2] and h.triggered[2] > 2
+    h.coord.close()
+
+
+def test_an_id_taken_since_the_last_record_reserved_one_is_never_passed_under(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)  # recorded, and id 2 reserved with the record
+    h.coord.tick(1.0)
+    assert h.triggered == [1, 2]  # used without a write
+    h.ack_all(2, ["a"])
+    h.coord.tick(1.1)  # id 3 reserved with the record
+    taken = store.next_checkpoint_id(JOB)  # what statectl savepoint does meanwhile
+    h.coord.tick(2.0)
+    assert taken == 4 and h.triggered == [1, 2, 5]  # not 3: below the savepoint's id
+    h.coord.close()
+
+
+def test_acks_and_landed_records_wake_the_coordinator_thread(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    held = Held()
+    woken: list[int] = []
+    wake = lambda: woken.append(len(woken))  # noqa: E731
+    h = Harness(store, FileIO(str(tmp_path / "state")), CheckpointOptions(), held, wake)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    assert len(woken) == 2  # one per ack: no polling interval before they are applied
+    h.coord.tick(0.1)
+    held.run()
+    assert len(woken) == 3  # the record landed
+    h.coord.decline(2, ("op", 0), "no")
+    assert len(woken) == 4
+    h.coord.close()
 
 
 def test_max_concurrent_and_subsumption(store: MetadataStore, tmp_path: Path) -> None:
@@ -292,8 +403,10 @@ class _CommitLandsButReportsFailure(MetadataStore):
 
     fail = True
 
-    def record_completed(self, checkpoint: CompletedCheckpoint, retain: int) -> Retention:
-        result = super().record_completed(checkpoint, retain)
+    def record_completed_and_reserve(
+        self, checkpoint: CompletedCheckpoint, retain: int
+    ) -> tuple[Retention, int]:
+        result = super().record_completed_and_reserve(checkpoint, retain)
         if self.fail:
             raise MetadataStoreError("connection lost after COMMIT was sent")
         return result

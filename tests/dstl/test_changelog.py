@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -9,6 +10,7 @@ import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.changelog import ChangelogOptions
+from dstl.encoder import SegmentEncoder
 from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
 
@@ -111,6 +113,51 @@ def test_sixteen_writers_produce_one_segment_per_batch(fileio: FileIO) -> None:
         assert st.segments_written == 2
         assert st.upload_attempts == 2
     assert len(fileio.list("jobs/job/changelog")) == 2
+
+
+def test_a_batch_holding_every_open_writer_closes_without_waiting(fileio: FileIO) -> None:
+    # A sharing window of a minute: a batch that waited for it would hold the drain.
+    opts = ChangelogOptions(batch_delay_s=60.0)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        a, b = st.create_writer("a"), st.create_writer("b")
+        st.create_writer("gone").close()  # a closed writer is waited for no longer
+        for w in (a, b):
+            w.append(0, "s", 1, b"k", None, w.writer_id.encode())
+        futures = [w.persist(0, 1) for w in (a, b)]
+        drain = threading.Thread(target=st.drain_once, kwargs={"block": True})
+        drain.start()
+        drain.join(timeout=30)
+        assert not drain.is_alive(), "the batch waited for the sharing window"
+        ha, hb = (f.result(timeout=0)[0] for f in futures)
+        assert ha.location == hb.location and (ha.block, hb.block) == (0, 1)  # still shared
+        timings = b.last_persist_timings()
+        for step in ("persist_queue_ms", "persist_window_ms", "encode_ms", "write_ms"):
+            assert timings[step] >= 0
+        assert timings["segment_blocks"] == 2
+
+
+def test_a_persists_small_batch_is_encoded_here_a_preemptive_one_by_the_helper(
+    fileio: FileIO,
+) -> None:
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        helper = st._encoder = SegmentEncoder()  # not started: counts what asks for it
+        try:
+            w = st.create_writer("a")
+            w.append(0, "s", 1, b"k", None, b"v" * 100)
+            future = w.persist(0, 1)
+            st.drain_once(block=False)
+            assert future.result(timeout=0) and helper.started == 0  # no round trip
+            for _ in range(60):  # over the threshold: uploaded beside the task
+                w.append(0, "s", 1, b"k", None, b"v" * 100)
+            st.drain_once(block=False)
+            assert helper.started == 1
+            second = w.persist(0, 2)
+            while not st._queue.empty():
+                st.drain_once(block=False)
+            assert _rows(fileio, second.result(timeout=0)) == [b"v" * 100] * 61
+        finally:
+            helper.close()
 
 
 def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:
