@@ -76,6 +76,10 @@ MEMTABLE_BLOOM_RATIO = 0.1
 # after this long lets a blocking flush report why it has not finished.
 FLUSH_POLL_S = 0.001
 FLUSH_WAIT_S = 60.0
+# prepare_snapshot flushes in the background until the memtable holds at most this many
+# entries (its flush on the task thread then takes milliseconds), at most this many times.
+SNAPSHOT_FLUSH_ENTRIES = 16384
+PREPARE_FLUSH_ROUNDS = 2
 
 _block_cache: rocksdict.Cache | None = None
 
@@ -462,6 +466,7 @@ class RocksDBKeyedStateBackend:
         self._ids: dict[str, int] = {}
         self._raw: dict[str, Any] = {}
         self._states: dict[str, Any] = {}
+        self._preflush = 0  # flushes prepare_snapshot started for the next snapshot
         self._closed = False
 
     def __enter__(self) -> RocksDBKeyedStateBackend:
@@ -576,6 +581,7 @@ class RocksDBKeyedStateBackend:
         dropped on access and when a snapshot is restored.
         """
         self._check_open()
+        self._preflush = 0
         self._flush_memtable()
         directory = tempfile.mkdtemp(prefix="snapshot-", dir=self.path)
         cp = os.path.join(directory, "checkpoint")
@@ -585,6 +591,33 @@ class RocksDBKeyedStateBackend:
             shutil.rmtree(directory, ignore_errors=True)
             raise LocalStoreError(f"RocksDB checkpoint into {cp} failed ({exc})") from exc
         return RocksDBSnapshot(sqn, self.key_group_range, directory, cp, self.metadata())
+
+    def prepare_snapshot(self) -> bool:
+        """Make the next :meth:`snapshot` short; True when it will be. Task thread.
+
+        True at once while the memtable holds at most ``SNAPSHOT_FLUSH_ENTRIES``; otherwise
+        it starts a flush of the memtable in RocksDB's background thread and returns
+        False until that flush finished, then looks again (at most
+        ``PREPARE_FLUSH_ROUNDS`` flushes: a task writing faster than RocksDB flushes
+        must not make many small L0 files). The task keeps writing meanwhile, so the
+        snapshot's own flush (on the task thread, see :meth:`snapshot`) only has what
+        was written since: milliseconds instead of the whole interval's memtable. It
+        changes no state and no boundary: a snapshot is exact with or without it.
+        """
+        self._check_open()
+        db = self._db
+        if self._preflush and db.property_int_value("rocksdb.num-immutable-mem-table"):
+            return False  # our flush is still running
+        entries = db.property_int_value("rocksdb.num-entries-active-mem-table") or 0
+        if entries <= SNAPSHOT_FLUSH_ENTRIES or self._preflush >= PREPARE_FLUSH_ROUNDS:
+            self._preflush = 0
+            return True
+        try:
+            db.flush(False)
+        except Exception as exc:
+            raise LocalStoreError(f"RocksDB flush of {self.path} failed ({exc})") from exc
+        self._preflush += 1
+        return False
 
     def _flush_memtable(self) -> None:
         """Flush the memtable and wait for the flush without holding the GIL. Task

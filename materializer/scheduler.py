@@ -150,6 +150,8 @@ class MaterializationScheduler:
         self._check()
         if now < self.next_due:
             return False
+        if not self._backend_ready():
+            return False  # still due: the next tick takes the snapshot
         self.next_due = now + self.options.interval_s
         if self._in_flight is not None:
             self.skipped_in_flight += 1
@@ -167,6 +169,18 @@ class MaterializationScheduler:
         self.started += 1
         self._in_flight = self._executor.submit(self._upload, mat_id, snapshot)
         return True
+
+    def _backend_ready(self) -> bool:
+        """False while the backend prepares a due snapshot off the task thread (RocksDB
+        flushes its memtable in the background first, so the snapshot's own flush on
+        the task thread is short); only asked when a snapshot would be taken."""
+        backend = self.materializer.backend
+        prepare: Callable[[], bool] | None = getattr(backend, "prepare_materialization", None)
+        if prepare is None or self._in_flight is not None:
+            return True
+        if not backend.changed_since_materialization():
+            return True
+        return prepare()
 
     def poll(self) -> MaterializationResult | None:
         """Apply a finished materialization to the backend; None if none finished.

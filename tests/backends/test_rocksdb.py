@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from backends import (
 )
 from backends.errors import LocalStoreError
 from backends.handles import KeyedStateHandle
-from backends.rocksdb import META_FILE, iter_rows
+from backends.rocksdb import META_FILE, iter_rows, open_raw_db
 from backends.serializers import INT64, STR
 from dstl.errors import CorruptionError, SchemaMismatchError
 from materializer import Materializer
@@ -199,7 +200,6 @@ def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory)
     the process run: rocksdict's checkpoint holds the GIL for its whole flush, which
     stopped them all (the source, the uploads) for the flush."""
     import threading
-    import time
 
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", STR))
@@ -231,3 +231,35 @@ def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory)
     assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
     # the old way: one gap as long as the whole flush
     assert max(gaps) < 0.5 * (end - start), (max(gaps), end - start)
+
+
+def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact(
+    factory: Factory,
+) -> None:
+    """prepare_snapshot starts the memtable flush and says when it finished; the
+    writes made meanwhile are the only ones the snapshot's own flush has left, and the
+    snapshot holds them all (it is exact whatever prepare did). A small memtable is
+    ready at once."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    for i in range(50_000):  # more than SNAPSHOT_FLUSH_ENTRIES
+        b.set_current_key(f"k{i}")
+        s.update(i)
+    assert not b.prepare_snapshot()  # started
+    for i in range(5):  # the task writes on while RocksDB flushes
+        b.set_current_key(f"late{i}")
+        s.update(i)
+    deadline = time.monotonic() + 60
+    while not b.prepare_snapshot():  # until RocksDB's flush thread finished: a turn a read
+        assert time.monotonic() < deadline, "the background flush did not finish"
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 5
+    snap = b.snapshot()
+    try:
+        copy = open_raw_db(snap.checkpoint_dir)
+        rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
+        copy.close()
+    finally:
+        snap.release()
+    assert len(rows) == 50_005
+    empty = factory.store("rocksdb")
+    assert empty.prepare_snapshot()  # nothing to flush: ready at once
