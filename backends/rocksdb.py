@@ -13,7 +13,10 @@ recorded, with every state's metadata, in the snapshot's ``STATE-META.json``.
 The WAL is off: the DSTL (changelog) is what makes changes durable. A snapshot is a
 RocksDB checkpoint (hard links, flushed memtable) in a fresh directory next to the
 database; its files are the SSTs (named as RocksDB names them, stable across snapshots)
-plus the few small files needed to open them as a database.
+plus the few small files needed to open them as a database. Its memtable flush runs on
+the task thread without the GIL, and :meth:`RocksDBKeyedStateBackend.prepare_snapshot`
+flushes most of the memtable in the background first (see
+:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs).
 """
 
 from __future__ import annotations

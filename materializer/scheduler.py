@@ -6,6 +6,9 @@ from its loop (or a test calls directly, with an injected clock and random sourc
 - :meth:`MaterializationScheduler.tick` ``(now)``: if a materialization is due, nothing is
   in flight, and the backend changed since its base, take the snapshot (the short,
   synchronous part, on the task thread) and hand the upload to the scheduler's executor;
+  a backend with ``prepare_materialization`` (the changelog backend over RocksDB: a
+  background memtable flush) is asked first, and the snapshot waits for a later tick
+  until it says it is ready;
 - :meth:`MaterializationScheduler.poll`: take a finished upload back and apply it to the
   backend (``materialization_done``: later checkpoints reference it and the writer
   truncates its log), or count the failure.
