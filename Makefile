@@ -42,15 +42,21 @@ demo-embedded:
 
 # Lint, the whole pytest suite (every marker), then the layers below the coordinator on the
 # other interpreters (test-pythons with PYTHONS_TESTS). All steps run; any failure fails
-# the target. CI runs this on 2 cores: keep it well under 20 minutes.
+# the target, and the failed tests of every interpreter are listed again last (pytest's
+# logs are in build/test-logs/), so the tail of a CI log names them. CI runs this on 2 cores: keep it well under 20 minutes.
 test: setup
 	@failed=""; \
 	echo "+ ruff check ."; $(RUFF) check . || failed="$$failed ruff-check"; \
 	echo "+ ruff format --check ."; $(RUFF) format --check . || failed="$$failed ruff-format"; \
 	echo "+ mypy"; $(MYPY) || failed="$$failed mypy"; \
-	echo "+ pytest -q"; $(PY) -m pytest -q || failed="$$failed pytest"; \
+	mkdir -p build/test-logs; rm -f build/test-logs/*.log; \
+	echo "+ pytest -q"; $(PY) -m pytest -q 2>&1 | tee build/test-logs/pytest-3.11.log || failed="$$failed pytest"; \
 	$(MAKE) --no-print-directory test-pythons TESTS="$(PYTHONS_TESTS)" || failed="$$failed test-pythons"; \
-	if [[ -n "$$failed" ]]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
+	if [[ -n "$$failed" ]]; then \
+		echo "make test: FAILED:$$failed" >&2; \
+		grep -hE '^(FAILED|ERROR) ' build/test-logs/*.log >&2 || true; \
+		exit 1; \
+	fi; \
 	echo "make test: all passed"
 
 # The non-Spark suite (or TESTS=paths) on each of $(PYTHONS), in venvs .venv-3.12, .venv-3.13 made like .venv
@@ -63,7 +69,9 @@ test-pythons:
 		py="$$(bash tools/setup/find_python.sh $$v)" || { failed="$$failed $$v-missing"; continue; }; \
 		BOOTSTRAP_VENV=.venv-$$v PYTHON="$$py" bash tools/setup/bootstrap.sh || { failed="$$failed $$v-setup"; continue; }; \
 		echo "+ [python$$v] pytest -q -m 'not spark and not slow' $(TESTS)"; \
-		.venv-$$v/bin/python -m pytest -q -m "not spark and not slow" $(TESTS) || failed="$$failed $$v"; \
+		mkdir -p build/test-logs; \
+		.venv-$$v/bin/python -m pytest -q -m "not spark and not slow" $(TESTS) 2>&1 \
+			| tee build/test-logs/pytest-$$v.log || failed="$$failed $$v"; \
 	done; \
 	if [[ -n "$$failed" ]]; then echo "make test-pythons: FAILED:$$failed" >&2; exit 1; fi
 

@@ -87,16 +87,29 @@ def savepoint_from_checkpoint(
     job's sequence (so a running coordinator never reuses it), copies every file under its
     own prefix and is recorded without retention. Safe while the job runs: if retention
     removes the checkpoint's files during the copy, a :class:`SavepointError` names the
-    checkpoint, the partial copy is deleted and nothing is recorded. Any thread.
+    checkpoint, the partial copy is deleted and nothing is recorded. A job whose checkpoint
+    ids do not come from that sequence (a Spark query's are its batch ids) gets a
+    :class:`ConfigError` before anything is copied. Any thread.
     """
     if checkpoint.kind != "checkpoint":
         raise ConfigError(
             f"{checkpoint.kind} {checkpoint.checkpoint_id} of job {checkpoint.job_id} is "
             "already self-contained"
         )
+    savepoint_id = store.next_checkpoint_id(checkpoint.job_id)
+    newest = store.latest(checkpoint.job_id)
+    if newest is not None and newest.checkpoint_id >= savepoint_id:
+        # The job numbers its checkpoints itself (a Spark query records its batch ids), so
+        # an id from the sequence could be taken now or by a later batch: refuse, copy nothing.
+        raise ConfigError(
+            f"job {checkpoint.job_id} numbers its checkpoints itself (the latest is "
+            f"{newest.checkpoint_id}, as a Spark query records its batch ids): a savepoint "
+            "id could clash with one of them, so no savepoint is made; read or export the "
+            f"checkpoint itself (statectl restore --checkpoint {checkpoint.checkpoint_id})"
+        )
     draft = dataclasses.replace(
         checkpoint,
-        checkpoint_id=store.next_checkpoint_id(checkpoint.job_id),
+        checkpoint_id=savepoint_id,
         kind="savepoint",
         triggered_at=now,
         completed_at=now,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -88,6 +89,27 @@ def test_a_savepoint_is_not_copied_again(store: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert f"savepoint {sid} of job demo is already self-contained" in err
     assert err.strip().count("\n") == 0
+
+
+def test_a_job_numbering_its_own_checkpoints_gets_no_savepoint(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Spark query records its batch ids as checkpoint ids, past the job's sequence: a
+    savepoint id from the sequence would clash with one now or later, so none is made."""
+    with MetadataStore.for_local_store(str(store)) as meta:
+        latest = meta.latest("demo")
+        assert latest is not None
+        batch = dataclasses.replace(latest, checkpoint_id=latest.checkpoint_id + 50)
+        meta.record_completed(batch, retain=5)
+    before = _list(store, capsys)
+    assert main(["savepoint", "--store", str(store)]) == 5
+    err = capsys.readouterr().err
+    assert f"numbers its checkpoints itself (the latest is {batch.checkpoint_id}" in err
+    assert err.strip().count("\n") == 0
+    assert _list(store, capsys) == before
+    assert not (store / "savepoints").exists() or not [
+        p for p in (store / "savepoints").rglob("*") if p.is_file()
+    ]
 
 
 def test_unknown_checkpoint_is_not_found(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
