@@ -559,6 +559,14 @@ class ChangelogKeyedStateBackend(Generic[B]):
         self.flush_log()
         return self.writer.log_size()[0]
 
+    def prepare_materialization(self) -> bool:
+        """Whether :meth:`snapshot_for_materialization` would be short now; if not, the
+        inner store starts what makes it short (RocksDB: a background memtable flush,
+        :meth:`~backends.rocksdb.RocksDBKeyedStateBackend.prepare_snapshot`). Stores
+        without such a step are always ready. Changes no state."""
+        prepare: Callable[[], bool] | None = getattr(self.inner, "prepare_snapshot", None)
+        return True if prepare is None else prepare()
+
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
         """Close the active change set and snapshot the state (the synchronous part; a
         heap store forks, see :mod:`backends.forked`)."""

@@ -13,7 +13,10 @@ recorded, with every state's metadata, in the snapshot's ``STATE-META.json``.
 The WAL is off: the DSTL (changelog) is what makes changes durable. A snapshot is a
 RocksDB checkpoint (hard links, flushed memtable) in a fresh directory next to the
 database; its files are the SSTs (named as RocksDB names them, stable across snapshots)
-plus the few small files needed to open them as a database.
+plus the few small files needed to open them as a database. Its memtable flush runs on
+the task thread without the GIL, and :meth:`RocksDBKeyedStateBackend.prepare_snapshot`
+flushes most of the memtable in the background first (see
+:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +72,29 @@ MAX_BYTES_FOR_LEVEL_BASE = 256 << 10
 LEVEL_MULTIPLIER = 10.0
 BLOCK_SIZE = 16 << 10
 MAX_MANIFEST_FILE_SIZE = 4 << 10
+# Options for the per-record path. See :func:`db_options`.
+BLOCK_CACHE_BYTES = 256 << 20
+MEMTABLE_BLOOM_RATIO = 0.1
+# A snapshot waits for the memtable flush in sleeps of this long (GIL released), and
+# after this long lets a blocking flush report why it has not finished.
+FLUSH_POLL_S = 0.001
+FLUSH_WAIT_S = 60.0
+# prepare_snapshot flushes in the background until the memtable holds at most this many
+# entries (its flush on the task thread then takes milliseconds), at most this many times.
+SNAPSHOT_FLUSH_ENTRIES = 16384
+PREPARE_FLUSH_ROUNDS = 2
+
+_block_cache: rocksdict.Cache | None = None
+
+
+def shared_block_cache() -> rocksdict.Cache:
+    """The block cache every store of this process shares (``BLOCK_CACHE_BYTES``, LRU):
+    like Flink's managed memory, one budget per worker however many stores it runs.
+    Created on first use; thread-safe in RocksDB."""
+    global _block_cache
+    if _block_cache is None:
+        _block_cache = rocksdict.Cache(BLOCK_CACHE_BYTES)
+    return _block_cache
 
 
 def db_options() -> rocksdict.Options:
@@ -87,6 +114,20 @@ def db_options() -> rocksdict.Options:
     - ``max_manifest_file_size`` 4 KiB: the MANIFEST changes at every flush, so every
       materialization uploads it whole; rolling it over at the first edit past 4 KiB keeps
       it near the live-file list instead of an ever-growing edit history.
+
+    For the per-record path (a point read and a write per state access):
+
+    - A block cache of ``BLOCK_CACHE_BYTES`` (256 MiB) shared by every store of the process
+      (:func:`shared_block_cache`). Blocks are cached uncompressed; with RocksDB's 32 MiB
+      per-database default, 1M keys of the end-to-end job (two int64 states, ~60 MB of
+      blocks uncompressed) missed the cache on most reads, and each miss decompressed a
+      16 KiB zstd block: the job's keyed function took 34 us of task-thread CPU per record,
+      17 us with the cache (driven directly, 1M keys, a snapshot every 100k records).
+    - A whole-key bloom filter on the memtable (``MEMTABLE_BLOOM_RATIO`` of it): most
+      reads of uniform keys are for keys not in the memtable, and the filter answers
+      them without a skip-list search (~1 us of a ~4 us read when the memtable is full).
+    - No bloom filter on SSTs: every read of this job finds its key, so filters only
+      cost (measured slower), and they would be uploaded with every SST.
     """
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -98,8 +139,11 @@ def db_options() -> rocksdict.Options:
     opts.set_bottommost_compression_type(rocksdict.DBCompressionType.zstd())
     table = rocksdict.BlockBasedOptions()
     table.set_block_size(BLOCK_SIZE)
+    table.set_block_cache(shared_block_cache())
     opts.set_block_based_table_factory(table)
     opts.set_max_manifest_file_size(MAX_MANIFEST_FILE_SIZE)
+    opts.set_memtable_whole_key_filtering(True)
+    opts.set_memtable_prefix_bloom_ratio(MEMTABLE_BLOOM_RATIO)
     return opts
 
 
@@ -425,6 +469,7 @@ class RocksDBKeyedStateBackend:
         self._ids: dict[str, int] = {}
         self._raw: dict[str, Any] = {}
         self._states: dict[str, Any] = {}
+        self._preflush = 0  # flushes prepare_snapshot started for the next snapshot
         self._closed = False
 
     def __enter__(self) -> RocksDBKeyedStateBackend:
@@ -519,12 +564,28 @@ class RocksDBKeyedStateBackend:
         )
 
     def snapshot(self, sqn: int | None = None) -> RocksDBSnapshot:
-        """A RocksDB checkpoint (hard links, milliseconds) in a fresh temp dir. Task thread.
+        """A RocksDB checkpoint (hard links) in a fresh temp dir. Task thread.
+
+        What consistency needs: the snapshot holds exactly the changes made before it
+        (the changelog resumes at ``sqn``; a change in both would be replayed twice, a
+        list append doubled). With the WAL off, unflushed changes live only in the
+        memtable, so the checkpoint must flush it, and only the task thread (the only
+        writer) knows where the boundary is: RocksDB cannot flush "the memtable as of
+        sequence number S" later, and rocksdict has no event listener to tell a later
+        flush of newer writes apart. So the flush stays on the task thread, but it does not
+        hold the GIL: :meth:`_flush_memtable` starts it and waits for RocksDB's
+        background thread in short sleeps, while the other threads of the process (the
+        source, the DSTL's and the materializer's uploads) run; the checkpoint then
+        finds an empty memtable and only hard-links files (milliseconds, under the GIL:
+        rocksdict holds it for the whole call, flush included, which stalled every
+        thread of the process for the flush).
 
         Expired TTL entries are not purged here (that would scan the state); they are
         dropped on access and when a snapshot is restored.
         """
         self._check_open()
+        self._preflush = 0
+        self._flush_memtable()
         directory = tempfile.mkdtemp(prefix="snapshot-", dir=self.path)
         cp = os.path.join(directory, "checkpoint")
         try:
@@ -533,6 +594,48 @@ class RocksDBKeyedStateBackend:
             shutil.rmtree(directory, ignore_errors=True)
             raise LocalStoreError(f"RocksDB checkpoint into {cp} failed ({exc})") from exc
         return RocksDBSnapshot(sqn, self.key_group_range, directory, cp, self.metadata())
+
+    def prepare_snapshot(self) -> bool:
+        """Make the next :meth:`snapshot` short; True when it will be. Task thread.
+
+        True at once while the memtable holds at most ``SNAPSHOT_FLUSH_ENTRIES``; otherwise
+        it starts a flush of the memtable in RocksDB's background thread and returns
+        False until that flush finished, then looks again (at most
+        ``PREPARE_FLUSH_ROUNDS`` flushes: a task writing faster than RocksDB flushes
+        must not make many small L0 files). The task keeps writing meanwhile, so the
+        snapshot's own flush (on the task thread, see :meth:`snapshot`) only has what
+        was written since: milliseconds instead of the whole interval's memtable. It
+        changes no state and no boundary: a snapshot is exact with or without it.
+        """
+        self._check_open()
+        db = self._db
+        if self._preflush and db.property_int_value("rocksdb.num-immutable-mem-table"):
+            return False  # our flush is still running
+        entries = db.property_int_value("rocksdb.num-entries-active-mem-table") or 0
+        if entries <= SNAPSHOT_FLUSH_ENTRIES or self._preflush >= PREPARE_FLUSH_ROUNDS:
+            self._preflush = 0
+            return True
+        try:
+            db.flush(False)
+        except Exception as exc:
+            raise LocalStoreError(f"RocksDB flush of {self.path} failed ({exc})") from exc
+        self._preflush += 1
+        return False
+
+    def _flush_memtable(self) -> None:
+        """Flush the memtable and wait for the flush without holding the GIL. Task
+        thread (nothing writes meanwhile, so the memtable is empty after it)."""
+        db = self._db
+        try:
+            db.flush(False)  # switches the memtable now; RocksDB's flush thread writes it
+            deadline = time.monotonic() + FLUSH_WAIT_S
+            while db.property_int_value("rocksdb.num-immutable-mem-table"):
+                if time.monotonic() > deadline:  # a failing flush: let RocksDB say why
+                    db.flush(True)
+                    break
+                time.sleep(FLUSH_POLL_S)
+        except Exception as exc:
+            raise LocalStoreError(f"RocksDB flush of {self.path} failed ({exc})") from exc
 
     def _state_rows(self, name: str, kg: int) -> Iterator[tuple[bytes, bytes]]:
         lo = self._kg_bytes[kg] + self._ids[name].to_bytes(2, "big")

@@ -6,6 +6,9 @@ from its loop (or a test calls directly, with an injected clock and random sourc
 - :meth:`MaterializationScheduler.tick` ``(now)``: if a materialization is due, nothing is
   in flight, and the backend changed since its base, take the snapshot (the short,
   synchronous part, on the task thread) and hand the upload to the scheduler's executor;
+  a backend with ``prepare_materialization`` (the changelog backend over RocksDB: a
+  background memtable flush) is asked first, and the snapshot waits for a later tick
+  until it says it is ready;
 - :meth:`MaterializationScheduler.poll`: take a finished upload back and apply it to the
   backend (``materialization_done``: later checkpoints reference it and the writer
   truncates its log), or count the failure.
@@ -173,6 +176,8 @@ class MaterializationScheduler:
         timed = now >= self.next_due
         if not timed and (self._in_flight is not None or not self._log_over_bound(now)):
             return False
+        if not self._backend_ready():
+            return False  # still due: the next tick takes the snapshot
         self.next_due = now + self.options.interval_s
         if self._in_flight is not None:
             self.skipped_in_flight += 1
@@ -203,6 +208,18 @@ class MaterializationScheduler:
         backend = self.materializer.backend
         base = sum(f.size_bytes for m in backend.base for f in m.state_files)
         return backend.log_bytes() >= ratio * max(base, MIN_BASE_BYTES)
+
+    def _backend_ready(self) -> bool:
+        """False while the backend prepares a due snapshot off the task thread (RocksDB
+        flushes its memtable in the background first, so the snapshot's own flush on
+        the task thread is short); only asked when a snapshot would be taken."""
+        backend = self.materializer.backend
+        prepare: Callable[[], bool] | None = getattr(backend, "prepare_materialization", None)
+        if prepare is None or self._in_flight is not None:
+            return True
+        if not backend.changed_since_materialization():
+            return True
+        return prepare()
 
     def poll(self) -> MaterializationResult | None:
         """Apply a finished materialization to the backend; None if none finished.

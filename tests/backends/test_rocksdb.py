@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -16,7 +17,8 @@ from backends import (
     restore_into,
 )
 from backends.errors import LocalStoreError
-from backends.rocksdb import META_FILE, iter_rows
+from backends.handles import KeyedStateHandle
+from backends.rocksdb import META_FILE, iter_rows, open_raw_db
 from backends.serializers import INT64, STR
 from dstl.errors import CorruptionError, SchemaMismatchError
 from materializer import Materializer
@@ -153,3 +155,111 @@ def test_second_materialization_shares_unchanged_ssts(factory: Factory) -> None:
         nb = factory.store(kind)
         restore_into(nb, factory.fileio, [handle])
         assert dump(nb) == dump(b.inner)
+
+
+def _list_workload(b: Any, keys: range, rounds: int, base: int) -> None:
+    """Appends (not idempotent: replayed twice they double) and value updates."""
+    events = b.get_state(ListStateDescriptor("events", INT64))
+    count = b.get_state(ValueStateDescriptor("count", INT64))
+    for r in range(rounds):
+        for k in keys:
+            b.set_current_key(f"k{k}")
+            events.add(base + r)
+            count.update(base + r * 1000 + k)
+
+
+def test_materialization_while_the_task_keeps_writing_restores_the_snapshot(
+    factory: Factory,
+) -> None:
+    """The snapshot is exactly the state at its log boundary, though the task writes on
+    before the upload reads its files: restored alone it is the state at the snapshot,
+    and with the log after it the final state (a change in both would double an append)."""
+    b = factory.logged("rocksdb")
+    _list_workload(b, range(2000), 3, 0)  # in the memtable: the snapshot must flush it
+    m = Materializer(b, factory.fileio, "job", "op", 0)
+    at_snapshot = dump(b.inner)
+    mat_id, snap = m.snapshot()
+    _list_workload(b, range(1000, 3000), 2, 100)  # the task writes on, then RocksDB flushes
+    b.inner._flush_memtable()
+    handle = m.upload(mat_id, snap)
+    only_snapshot = factory.store("rocksdb")
+    alone = KeyedStateHandle(b.backend_id, 0, MAX_PAR, STR.name, MAX_PAR, (handle,))
+    restore_into(only_snapshot, factory.fileio, [alone])
+    assert dump(only_snapshot) == at_snapshot
+    b.materialization_done(handle)
+    _list_workload(b, range(500, 600), 1, 200)
+    final = b.checkpoint(2).result()
+    for kind in ("heap", "rocksdb"):
+        nb = factory.store(kind)
+        restore_into(nb, factory.fileio, [final])
+        assert dump(nb) == dump(b.inner)
+
+
+def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory) -> None:
+    """While the snapshot waits for RocksDB to flush the memtable, the other threads of
+    the process run: rocksdict's checkpoint holds the GIL for its whole flush, which
+    stopped them all (the source, the uploads) for the flush."""
+    import threading
+
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", STR))
+    for i in range(150_000):
+        b.set_current_key(f"key-{i:08d}")
+        s.update(f"value {i} " * 4)
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            seen.append(time.perf_counter())
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        while not seen:  # the spinner is running
+            time.sleep(0.001)
+        start = time.perf_counter()
+        snap = b.snapshot()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    snap.release()
+    inside = [x for x in seen if start <= x <= end]
+    gaps = [b2 - a for a, b2 in zip([start, *inside], [*inside, end], strict=True)]
+    assert b._db.property_int_value("rocksdb.num-immutable-mem-table") == 0
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
+    # the old way: one gap as long as the whole flush
+    assert max(gaps) < 0.5 * (end - start), (max(gaps), end - start)
+
+
+def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact(
+    factory: Factory,
+) -> None:
+    """prepare_snapshot starts the memtable flush and says when it finished; the
+    writes made meanwhile are the only ones the snapshot's own flush has left, and the
+    snapshot holds them all (it is exact whatever prepare did). A small memtable is
+    ready at once."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    for i in range(50_000):  # more than SNAPSHOT_FLUSH_ENTRIES
+        b.set_current_key(f"k{i}")
+        s.update(i)
+    assert not b.prepare_snapshot()  # started
+    for i in range(5):  # the task writes on while RocksDB flushes
+        b.set_current_key(f"late{i}")
+        s.update(i)
+    deadline = time.monotonic() + 60
+    while not b.prepare_snapshot():  # until RocksDB's flush thread finished: a turn a read
+        assert time.monotonic() < deadline, "the background flush did not finish"
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 5
+    snap = b.snapshot()
+    try:
+        copy = open_raw_db(snap.checkpoint_dir)
+        rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
+        copy.close()
+    finally:
+        snap.release()
+    assert len(rows) == 50_005
+    empty = factory.store("rocksdb")
+    assert empty.prepare_snapshot()  # nothing to flush: ready at once

@@ -5,10 +5,12 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 from pathlib import Path
 
 from backends import KeyGroupRange, RocksDBKeyedStateBackend, ValueStateDescriptor
 from backends.rocksdb import (
+    BLOCK_CACHE_BYTES,
     BLOCK_SIZE,
     MAX_BYTES_FOR_LEVEL_BASE,
     MAX_MANIFEST_FILE_SIZE,
@@ -42,6 +44,32 @@ def test_options_are_applied(tmp_path: Path) -> None:
     assert int(opts["max_bytes_for_level_base"]) == MAX_BYTES_FOR_LEVEL_BASE
     assert int(opts["block_size"]) == BLOCK_SIZE
     assert int(opts["max_manifest_file_size"]) == MAX_MANIFEST_FILE_SIZE
+    assert opts["memtable_whole_key_filtering"] == "true"
+    assert float(opts["memtable_prefix_bloom_size_ratio"]) > 0
+
+
+def _block_cache(db_dir: str) -> tuple[str, int]:
+    """(address, capacity) of the block cache a database's LOG names."""
+    with open(os.path.join(db_dir, "LOG")) as f:
+        text = f.read()
+    address = re.search(r"block_cache: (0x[0-9a-f]+)", text)
+    capacity = re.search(r"capacity : (\d+)", text)
+    assert address is not None and capacity is not None
+    return address.group(1), int(capacity.group(1))
+
+
+def test_stores_of_a_process_share_one_sized_block_cache(tmp_path: Path) -> None:
+    """One block cache of BLOCK_CACHE_BYTES for every store of the process (RocksDB's
+    default is 32 MiB per database: too small for 1M keys, too many for many stores)."""
+    rng = KeyGroupRange(0, MAX_PAR)
+    with (
+        RocksDBKeyedStateBackend(STR, rng, MAX_PAR, path=str(tmp_path / "a")) as a,
+        RocksDBKeyedStateBackend(STR, rng, MAX_PAR, path=str(tmp_path / "b")) as b,
+    ):
+        first = _block_cache(os.path.join(a.path, "db"))
+        second = _block_cache(os.path.join(b.path, "db"))
+    assert first == second
+    assert first[1] == BLOCK_CACHE_BYTES
 
 
 def test_hot_updates_on_a_large_state_share_most_sst_bytes(tmp_path: Path) -> None:

@@ -267,3 +267,31 @@ def test_a_file_shared_by_unreferenced_bases_is_released_with_the_last(tmp_path:
     assert all(store.exists(store.relative(f)) for f in third.handle.files())  # type: ignore[attr-defined]
     sched.close()  # the last base: referenced by nothing either
     assert [f for f in third.handle.files() if store.exists(store.relative(f))] == []  # type: ignore[attr-defined]
+
+
+def test_a_due_snapshot_waits_for_the_backend_to_prepare_it(tmp_path: Path) -> None:
+    """A backend that prepares its snapshot off the task thread (RocksDB: a background
+    memtable flush) is asked each tick once due, and the snapshot is taken at the first
+    tick it is ready, with the period kept; not asked when nothing would be taken."""
+    backend, sched, executor, _clock = _setup(tmp_path)
+    answers = [False, False, True]
+    asked: list[int] = []
+
+    def prepare() -> bool:
+        asked.append(1)
+        return answers.pop(0)
+
+    backend.prepare_materialization = prepare  # type: ignore[attr-defined]
+    assert not sched.tick(1007.0)  # not due: not asked
+    assert asked == []
+    assert not sched.tick(1007.5) and not sched.tick(1007.6)
+    assert not sched.in_flight and sched.next_due == 1007.5
+    assert sched.tick(1007.7)
+    assert len(asked) == 3 and sched.in_flight and sched.next_due == 1017.7
+    assert not sched.tick(1017.7)  # in flight: skipped without asking
+    assert len(asked) == 3 and sched.skipped_in_flight == 1
+    executor.run_all()
+    assert sched.poll() is not None
+    backend.changed = False
+    assert not sched.tick(1027.7)  # unchanged: skipped without asking
+    assert len(asked) == 3 and sched.skipped_unchanged == 1

@@ -19,7 +19,7 @@ materialization is in flight: snapshot to upload done) over ``records_per_s_idle
 (our own part: everything but the barriers' travel and wait in queues, see
 :func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and ``own_steps``
 (p50/p99 of each step of it); materialization duration
-(sync + upload) p50/max and its sync part max; ``log_at_kill`` (change records the
+(sync + upload) p50/max and its sync part p50/max; ``log_at_kill`` (change records the
 restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
 included) and ``replay_per_s`` (changes replayed per second: read, fold and load of the
 log, timed by the restore itself and logged; materialized tables not included);
@@ -443,6 +443,9 @@ def _summarize(
         "materializations": len(mats),
         "mat_p50_s": round(median(mat_s), 3) if mat_s else None,
         "mat_max_s": round(max(mat_s), 3) if mat_s else None,
+        "mat_sync_p50_ms": round(median(f.get("sync_ms", 0.0) for _, _, f in mats), 1)
+        if mats
+        else None,
         "mat_sync_max_ms": round(max(f.get("sync_ms", 0.0) for _, _, f in mats), 1)
         if mats
         else None,
@@ -564,6 +567,7 @@ def _headline(cases: list[dict[str, Any]], peer: dict[str, Any] | None) -> dict[
         "own_checkpoint_p99_ms": max(c["own_p99_ms"] for c in (heap, rocks)),
         "own_checkpoint_old_p99_ms": max(c["own_old_p99_ms"] for c in (heap, rocks)),
         "own_checkpoint_steps_ms": {c["store"]: c["own_steps"] for c in (heap, rocks)},
+        "materialization_sync_p50_ms_rocksdb": rocks["mat_sync_p50_ms"],
         "materialization_sync_max_ms_rocksdb": rocks["mat_sync_max_ms"],
     }
     if peer is not None and peer.get("records_per_s"):
