@@ -77,6 +77,16 @@ def dump(backend: Any) -> dict[str, dict[Any, Any]]:
     return out
 
 
+def snapshot_entries(backend: Any) -> dict[str, dict[Any, Any]]:
+    """A heap store's entries as its snapshot sees them: ``{state: {key: value}}`` (raw, no
+    TTL filtering; states without entries are left out)."""
+    out: dict[str, dict[Any, Any]] = {}
+    for name, table in backend.snapshot().tables.items():
+        for entries in table.values():
+            out.setdefault(name, {}).update(entries)
+    return out
+
+
 def merge_dumps(dumps: list[dict[str, dict[Any, Any]]]) -> dict[str, dict[Any, Any]]:
     """Union of per-subtask dumps; a key in two subtasks is a bug."""
     merged: dict[str, dict[Any, Any]] = {}

@@ -22,6 +22,7 @@ from backends.serializers import FLOAT64, INT64, PICKLE, STR
 from dstl import ChangelogStorage, FileIO
 from dstl.errors import SchemaMismatchError
 from materializer import Materializer
+from tests.backends.helpers import snapshot_entries
 
 MAX_PAR = 128
 
@@ -77,14 +78,6 @@ def _owns(b: ChangelogKeyedStateBackend, key: str) -> bool:
     return key_group_for(STR.serialize(key), MAX_PAR) in b.key_group_range
 
 
-def _state(b: HeapKeyedStateBackend) -> dict[str, dict[Any, Any]]:
-    out: dict[str, dict[Any, Any]] = {}
-    for name, table in b.snapshot().tables.items():
-        for entries in table.values():
-            out.setdefault(name, {}).update(entries)
-    return out
-
-
 def _restore(
     fileio: FileIO, handles: list[KeyedStateHandle], parallelism: int
 ) -> dict[str, dict[Any, Any]]:
@@ -92,7 +85,7 @@ def _restore(
     for s in range(parallelism):
         nb = HeapKeyedStateBackend(STR, KeyGroupRange.for_subtask(s, parallelism, MAX_PAR), MAX_PAR)
         restore_into(nb, fileio, handles)
-        for name, entries in _state(nb).items():
+        for name, entries in snapshot_entries(nb).items():
             assert not (merged.get(name, {}).keys() & entries.keys()), (
                 "a key restored into two subtasks"
             )
@@ -106,7 +99,7 @@ def test_log_only_round_trip(storage: tuple[FileIO, ChangelogStorage]) -> None:
     _mutate(b, 1, 500)
     handle = b.checkpoint(1).result()
     assert handle.materialized == ()
-    assert _restore(fileio, [handle], 1) == _state(b.inner)
+    assert _restore(fileio, [handle], 1) == snapshot_entries(b.inner)
 
 
 def test_materialization_plus_log_round_trip(storage: tuple[FileIO, ChangelogStorage]) -> None:
@@ -120,7 +113,7 @@ def test_materialization_plus_log_round_trip(storage: tuple[FileIO, ChangelogSto
     assert handle.materialized == (mat,)
     # After materialization the checkpoint references only the log from mat.sqn on.
     assert all(c.sqn_end > mat.sqn for c in handle.changelog)
-    assert _restore(fileio, [handle], 1) == _state(b.inner)
+    assert _restore(fileio, [handle], 1) == snapshot_entries(b.inner)
 
 
 @pytest.mark.parametrize(("p", "q"), [(1, 3), (2, 1), (2, 5), (3, 2), (4, 4)])
@@ -135,7 +128,7 @@ def test_rescale(storage: tuple[FileIO, ChangelogStorage], p: int, q: int) -> No
     handles = [b.checkpoint(7).result() for b in backends]
     expected: dict[str, dict[Any, Any]] = {}
     for b in backends:
-        for name, entries in _state(b.inner).items():
+        for name, entries in snapshot_entries(b.inner).items():
             expected.setdefault(name, {}).update(entries)
     restored = _restore(fileio, handles, q)
     assert restored == expected
@@ -157,7 +150,7 @@ def test_rescale_twice_does_not_replay_shared_logs_twice(
         nb = _backend(st, f"op-{s}-a1", KeyGroupRange.for_subtask(s, 2, MAX_PAR))
         restore_changelog_backend(nb, fileio, [h1])
         halves.append(nb.checkpoint(2).result())
-    assert _restore(fileio, halves, 1) == _state(b.inner)
+    assert _restore(fileio, halves, 1) == snapshot_entries(b.inner)
 
 
 def test_schema_mismatch_on_restore_is_clear(storage: tuple[FileIO, ChangelogStorage]) -> None:

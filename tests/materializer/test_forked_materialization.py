@@ -28,6 +28,7 @@ from backends.forked import FORK_MIN_ENTRIES, ForkedSnapshot
 from backends.serializers import INT64, STR
 from dstl import ChangelogStorage, FileIO
 from materializer import FullSnapshotCheckpointer, Materializer, MaterializerOptions
+from tests.backends.helpers import snapshot_entries
 
 MAX_PAR = 128
 JOB = "job"
@@ -60,18 +61,10 @@ def _write(b: Any, keys: range, salt: int) -> None:
             count.clear()
 
 
-def _state(b: Any) -> dict[str, dict[Any, Any]]:
-    out: dict[str, dict[Any, Any]] = {}
-    for name, table in b.snapshot().tables.items():
-        for entries in table.values():
-            out.setdefault(name, {}).update(entries)
-    return out
-
-
 def _restored(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:
     b = _heap()
     restore_into(b, fileio, [handle])
-    return _state(b)
+    return snapshot_entries(b)
 
 
 def test_a_materialization_holds_its_snapshot_while_the_task_writes_on(
@@ -84,20 +77,20 @@ def test_a_materialization_holds_its_snapshot_while_the_task_writes_on(
     mat = Materializer(b, fileio, JOB, "op", 0, options=MaterializerOptions(heap_piece_rows=4096))
     mat_id, snap = mat.snapshot()
     assert isinstance(snap, ForkedSnapshot)
-    at_snapshot = _state(inner)
+    at_snapshot = snapshot_entries(inner)
     _write(b, range(0, KEYS + 500, 3), 1)  # the task goes on while the child encodes
     handle = mat.upload(mat_id, snap)
     with pytest.raises(ChildProcessError):  # reaped
         os.waitpid(snap.pid, os.WNOHANG)
     assert mat.last_stats is not None and mat.last_stats.files_new > 16
     only_mat = KeyedStateHandle(b.backend_id, 0, MAX_PAR, INT64.name, MAX_PAR, (handle,), ())
-    assert _restored(fileio, only_mat) == at_snapshot != _state(inner)
+    assert _restored(fileio, only_mat) == at_snapshot != snapshot_entries(inner)
     # the log from the snapshot's sqn on carries what came after: exactly once
     b.materialization_done(handle)
     _write(b, range(5, KEYS, 17), 2)
     checkpoint = b.checkpoint(1).result()
     assert checkpoint.materialized == (handle,)
-    assert _restored(fileio, checkpoint) == _state(inner)
+    assert _restored(fileio, checkpoint) == snapshot_entries(inner)
 
 
 def test_an_unchanged_state_shares_every_piece_of_its_forked_materialization(
@@ -123,11 +116,11 @@ def test_changelog_off_checkpoints_fork_too(tmp_path: Path) -> None:
     fileio = FileIO(str(tmp_path / "store"))
     with FullSnapshotCheckpointer(_heap(), fileio, JOB, "op", 0, "full-0") as full:
         _write(full, range(KEYS), 0)
-        at_barrier = _state(full.inner)
+        at_barrier = snapshot_entries(full.inner)
         snap = full.snapshot_for_materialization()
         assert isinstance(snap, ForkedSnapshot)
         snap.release()
         future = full.checkpoint(1)
         _write(full, range(0, KEYS, 5), 1)  # after the barrier: not in checkpoint 1
         handle = future.result()
-        assert _restored(fileio, handle) == at_barrier != _state(full.inner)
+        assert _restored(fileio, handle) == at_barrier != snapshot_entries(full.inner)

@@ -29,6 +29,7 @@ from materializer import (
     MaterializerOptions,
     restore_full_backend,
 )
+from tests.backends.helpers import snapshot_entries
 from tests.materializer.fakes import FailingFileIO, record
 
 MAX_PAR = 128
@@ -62,18 +63,10 @@ def _mutate(b: Any, start: int, n: int) -> None:
         attrs.put(f"a{i % 4}", i)
 
 
-def _state(b: Any) -> dict[str, dict[Any, Any]]:
-    out: dict[str, dict[Any, Any]] = {}
-    for name, table in b.snapshot().tables.items():
-        for entries in table.values():
-            out.setdefault(name, {}).update(entries)
-    return out
-
-
 def _restore(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:
     nb = _heap()
     restore_into(nb, fileio, [handle])
-    return _state(nb)
+    return snapshot_entries(nb)
 
 
 def test_every_checkpoint_is_a_materialization_sharing_the_confirmed_one(
@@ -87,7 +80,7 @@ def test_every_checkpoint_is_a_materialization_sharing_the_confirmed_one(
         h1 = full.checkpoint(1).result()
         assert h1.changelog == () and len(h1.materialized) == 1
         assert h1.materialized[0].sqn == 0 and h1.replay_from(full.backend_id) == 0
-        assert _restore(fileio, h1) == _state(full.inner)
+        assert _restore(fileio, h1) == snapshot_entries(full.inner)
         assert record(store, fileio, JOB, 1, [h1], retain=1) == []
 
         _mutate(full, 3000, 5)
@@ -101,7 +94,7 @@ def test_every_checkpoint_is_a_materialization_sharing_the_confirmed_one(
         stats = full.last_stats
         assert stats is not None
         assert 0 < stats.files_new <= 10 and stats.files_shared > 3 * stats.files_new
-        assert _restore(fileio, h3) == _state(full.inner)
+        assert _restore(fileio, h3) == snapshot_entries(full.inner)
         released = record(store, fileio, JOB, 3, [h3], retain=1)
         # cp1 subsumed: exactly its pieces that cp3 did not share are released
         assert set(released) == set(h1.files()) - set(h3.files())
@@ -128,12 +121,12 @@ def test_switch_changelog_on_to_off_and_back(storage: tuple[FileIO, ChangelogSto
     _mutate(b0, 2000, 20)
     cp1 = b0.checkpoint(1).result()
     assert cp1.changelog
-    expected = _state(b0.inner)
+    expected = snapshot_entries(b0.inner)
 
     # attempt 1: changelog off, restored from the changelog checkpoint
     with FullSnapshotCheckpointer(_heap(), fileio, JOB, "op", 0, "op-0-a1", options=OPTS) as b1:
         restore_full_backend(b1, fileio, [cp1])
-        assert _state(b1.inner) == expected
+        assert snapshot_entries(b1.inner) == expected
         cp2 = b1.checkpoint(2).result()
         stats = b1.last_stats
         assert stats is not None and stats.files_shared > 0  # the restored base is shared
@@ -142,21 +135,21 @@ def test_switch_changelog_on_to_off_and_back(storage: tuple[FileIO, ChangelogSto
         _mutate(b1, 5000, 200)
         b1.notify_checkpoint_complete(2)
         cp3 = b1.checkpoint(3).result()
-        expected = _state(b1.inner)
+        expected = snapshot_entries(b1.inner)
 
     # attempt 2: changelog on again, restored from the full checkpoint
     b2 = ChangelogKeyedStateBackend(_heap(), st.create_writer("op-0-a2"))
     restore_changelog_backend(b2, fileio, [cp3])
-    assert _state(b2.inner) == expected
+    assert snapshot_entries(b2.inner) == expected
     _mutate(b2, 9000, 100)
     cp4 = b2.checkpoint(4).result()
     assert cp4.materialized == cp3.materialized and cp4.changelog
-    assert _restore(fileio, cp4) == _state(b2.inner)
+    assert _restore(fileio, cp4) == snapshot_entries(b2.inner)
     m = Materializer(b2, fileio, JOB, "op", 0, options=OPTS)
     m.materialize_now()
     assert m.last_stats is not None and m.last_stats.files_shared > 0
     cp5 = b2.checkpoint(5).result()
-    assert _restore(fileio, cp5) == _state(b2.inner)
+    assert _restore(fileio, cp5) == snapshot_entries(b2.inner)
 
 
 def test_a_given_uploader_carries_the_files_and_stays_open(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from backends import (
 from backends.serializers import INT64, STR
 from dstl import ChangelogStorage, FileIO
 from materializer import MaterializationError, Materializer, MaterializerOptions
+from tests.backends.helpers import snapshot_entries
 from tests.materializer.fakes import FailingFileIO
 
 MAX_PAR = 128
@@ -47,18 +48,10 @@ def _fill(b: ChangelogKeyedStateBackend, n: int, offset: int = 0) -> None:
         attrs.put(f"a{i % 3}", i)
 
 
-def _state(b: HeapKeyedStateBackend) -> dict[str, dict[Any, Any]]:
-    out: dict[str, dict[Any, Any]] = {}
-    for name, table in b.snapshot().tables.items():
-        for entries in table.values():
-            out.setdefault(name, {}).update(entries)
-    return out
-
-
 def _restore(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:
     nb = HeapKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR)
     restore_into(nb, fileio, [handle])
-    return _state(nb)
+    return snapshot_entries(nb)
 
 
 def test_unchanged_pieces_are_shared_and_restore_is_exact(
@@ -82,7 +75,7 @@ def test_unchanged_pieces_are_shared_and_restore_is_exact(
     assert stats.bytes_new * 20 < stats.bytes_total
     shared = {f.location for f in first.state_files} & {f.location for f in second.state_files}
     assert len(shared) == stats.files_shared
-    assert _restore(fileio, b.checkpoint(1).result()) == _state(b.inner)
+    assert _restore(fileio, b.checkpoint(1).result()) == snapshot_entries(b.inner)
     assert stats.to_dict()["files_new"] == 1
 
 
@@ -178,4 +171,4 @@ def test_any_piece_size_restores_exactly(
         assert all(".kg" in n for n in names)
         # a key's map entries never straddle two pieces; every entry is in exactly one
         assert sum(f.rows for f in handle.state_files if f.state == "attrs") == 300
-    assert _restore(fileio, b.checkpoint(1).result()) == _state(b.inner)
+    assert _restore(fileio, b.checkpoint(1).result()) == snapshot_entries(b.inner)

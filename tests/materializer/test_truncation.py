@@ -26,6 +26,7 @@ from backends.serializers import INT64, STR
 from coordinator.metadata import MetadataStore
 from dstl import ChangelogStorage, FileIO
 from materializer import MaterializationOptions, MaterializationScheduler, Materializer
+from tests.backends.helpers import snapshot_entries
 from tests.materializer.fakes import ManualExecutor, record
 
 MAX_PAR = 128
@@ -51,18 +52,10 @@ def _mutate(b: ChangelogKeyedStateBackend, start: int, n: int) -> None:
         seen.add(f"e{i}")
 
 
-def _state(b: HeapKeyedStateBackend) -> dict[str, dict[Any, Any]]:
-    out: dict[str, dict[Any, Any]] = {}
-    for name, table in b.snapshot().tables.items():
-        for entries in table.values():
-            out.setdefault(name, {}).update(entries)
-    return out
-
-
 def _restore(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:
     nb = HeapKeyedStateBackend(STR, KeyGroupRange(0, MAX_PAR), MAX_PAR)
     restore_into(nb, fileio, [handle])
-    return _state(nb)
+    return snapshot_entries(nb)
 
 
 def _segments(handle: KeyedStateHandle) -> set[str]:
@@ -96,7 +89,7 @@ def test_segments_before_a_materialization_are_released(
     old_segments = _segments(cp2)
 
     # The materialization (snapshot on this thread, upload on the executor, then applied).
-    before = _state(b.inner)
+    before = snapshot_entries(b.inner)
     assert sched.tick(5.0)
     _mutate(b, 600, 50)  # changes after the snapshot stay in the log
     executor.run_all()
@@ -125,7 +118,7 @@ def test_segments_before_a_materialization_are_released(
     latest = store.latest(JOB)
     assert latest is not None
     (handle,) = [h for s in latest.subtasks for h in s.handles]
-    assert _restore(fileio, handle) == _state(b.inner)
+    assert _restore(fileio, handle) == snapshot_entries(b.inner)
     sched.close()
 
 
@@ -143,4 +136,4 @@ def test_restore_right_after_materialization_with_an_empty_log(
     cp = b.checkpoint(2).result()
     assert cp.materialized == (mat,)
     assert all(c.sqn_end > mat.sqn for c in cp.changelog)
-    assert _restore(fileio, cp) == _state(b.inner)
+    assert _restore(fileio, cp) == snapshot_entries(b.inner)
