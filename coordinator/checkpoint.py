@@ -190,14 +190,16 @@ class CheckpointCoordinator:
     :meth:`request_savepoint` are thread-safe (they only enqueue). Records are written by
     ``committer`` (default: one thread, ``coordinator-commit``, joined by :meth:`close`;
     tests pass an executor they drive), whose results are applied on the next tick.
-    ``trigger_tasks(id)`` injects barriers at the sources; ``notify_complete(id, last_subsumed_id)`` and
-    ``notify_abort(id, reason)`` reach every task. ``before_commit(cp)`` runs right before
+    ``trigger_tasks(id)`` injects barriers at the sources;
+    ``notify_complete(id, last_subsumed_id)`` and ``notify_abort(id, reason)`` reach every
+    task. ``before_commit(cp)`` runs right before
     the record is written (a test hook: every file of ``cp`` is durable, nothing recorded).
     ``offer_compactions(found)``, if given, gets the offline compactions registered since
     the last trigger, looked up at each trigger (in the transaction that reserves the id,
     or in a read when the previous record reserved it) before the barriers are injected:
-    the tasks adopt them at that barrier without a lookup of their own. ``wakeup()`` is called (on the calling thread) whenever a message for the
-    next :meth:`tick` was queued. The deleter thread (``coordinator-deleter``) is joined
+    the tasks adopt them at that barrier without a lookup of their own. ``wakeup()`` is
+    called (on the calling thread) whenever a message for the next :meth:`tick` was
+    queued. The deleter thread (``coordinator-deleter``) is joined
     by :meth:`close`.
     """
 

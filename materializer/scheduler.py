@@ -28,7 +28,8 @@ checkpoint would reference beside the base (``backend.log_bytes()``, looked at e
 checkpoint's full size is its base plus that log, so the interval alone lets it grow with
 the update rate (at 100k keys and ~200k updates/s, 5 s of log are ~10x the state), while
 the ratio keeps it near ``(1 + max_log_ratio) * base`` plus the log written while one
-materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. ``max_consecutive_failures`` failures in a row raise
+materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`.
+``max_consecutive_failures`` failures in a row raise
 :class:`~materializer.errors.MaterializationFailuresExceededError`, which fails the task;
 a success resets the count. Until then a failure only means checkpoints keep referencing
 the older base and a longer log.
