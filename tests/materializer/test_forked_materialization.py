@@ -8,7 +8,6 @@ is a real process.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,6 @@ from tests.backends.helpers import snapshot_entries
 MAX_PAR = 128
 JOB = "job"
 KEYS = FORK_MIN_ENTRIES + 1000
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[tuple[FileIO, ChangelogStorage]]:
-    fileio = FileIO(str(tmp_path / "store"))
-    with ChangelogStorage(fileio, JOB, "w0") as st:
-        yield fileio, st
 
 
 def _heap() -> HeapKeyedStateBackend:

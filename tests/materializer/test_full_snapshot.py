@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,6 @@ from tests.materializer.fakes import FailingFileIO, record
 MAX_PAR = 128
 JOB = "job"
 OPTS = MaterializerOptions(heap_piece_rows=64)
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[tuple[FileIO, ChangelogStorage]]:
-    fileio = FileIO(str(tmp_path / "store"))
-    with ChangelogStorage(fileio, JOB, "w0") as st:
-        yield fileio, st
 
 
 def _heap() -> HeapKeyedStateBackend:

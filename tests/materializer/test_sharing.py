@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,6 @@ from tests.backends.helpers import snapshot_entries
 from tests.materializer.fakes import FailingFileIO
 
 MAX_PAR = 128
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[tuple[FileIO, ChangelogStorage]]:
-    fileio = FileIO(str(tmp_path / "store"))
-    with ChangelogStorage(fileio, "job", "w0") as st:
-        yield fileio, st
 
 
 def _backend(st: ChangelogStorage, writer: str = "op-0") -> ChangelogKeyedStateBackend:

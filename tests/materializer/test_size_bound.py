@@ -5,10 +5,6 @@ materializations run when the test says, checkpoints every ten steps of 0.1 s.""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from backends import ChangelogKeyedStateBackend, HeapKeyedStateBackend, KeyGroupRange
 from backends.serializers import INT64
@@ -22,13 +18,6 @@ MAX_PAR = 128
 KEYS = 20_000
 UPDATES_PER_STEP = 2_500  # 25k records/s over 20k keys: the log outgrows the state in 1 s
 STEP_S = 0.1
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[tuple[FileIO, ChangelogStorage]]:
-    fileio = FileIO(str(tmp_path / "store"))
-    with ChangelogStorage(fileio, "job", "w0") as st:
-        yield fileio, st
 
 
 def _live_bytes(b: ChangelogKeyedStateBackend[HeapKeyedStateBackend]) -> int:
