@@ -307,6 +307,60 @@ def _lock_job(conn: Connection, job_id: str) -> bool:
 
 _ROWS_PER_INSERT = 2000  # well below SQLite's bound parameters per statement (32766)
 
+
+def _insert_rows(conn: Connection, table: sa.Table, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Insert ``rows`` (values of every column of ``table``, in order): one multi-row
+    ``INSERT`` per :data:`_ROWS_PER_INSERT` rows, handed to the driver as it is (no
+    statement compiled per call: a multi-row ``sa.insert().values()`` is compiled anew
+    each time, most of a record's CPU). The driver gives the GIL up and takes it back
+    at every statement it steps, so one statement per table, not one per row."""
+    if not rows:
+        return
+    mark = {"qmark": "?", "format": "%s", "pyformat": "%s"}.get(conn.dialect.paramstyle)
+    names = [c.name for c in table.columns]
+    if mark is None:  # a driver with another parameter style: SQLAlchemy renders it
+        conn.execute(sa.insert(table), [dict(zip(names, r, strict=True)) for r in rows])
+        return
+    one = "(" + ", ".join([mark] * len(names)) + ")"
+    head = f"INSERT INTO {table.name} ({', '.join(names)}) VALUES "
+    for start in range(0, len(rows), _ROWS_PER_INSERT):
+        chunk = rows[start : start + _ROWS_PER_INSERT]
+        conn.exec_driver_sql(
+            head + ", ".join([one] * len(chunk)), tuple(v for r in chunk for v in r)
+        )
+
+
+# The record's statements, built once (building one costs more CPU than running it).
+_EXPIRED = (
+    sa.select(checkpoints.c.checkpoint_id)
+    .where(checkpoints.c.job_id == sa.bindparam("job"), checkpoints.c.kind == "checkpoint")
+    .order_by(checkpoints.c.checkpoint_id.desc())
+    .offset(sa.bindparam("retain", type_=sa.Integer))
+)
+_f, _g = file_refs.alias("f"), file_refs.alias("g")
+_IDS = sa.bindparam("ids", expanding=True)
+_RELEASED = (  # files of checkpoints ``ids`` nothing else references
+    sa.select(_f.c.location)
+    .distinct()
+    .where(
+        _f.c.job_id == sa.bindparam("job"),
+        _f.c.checkpoint_id.in_(_IDS),
+        ~sa.select(_g.c.location)
+        .where(
+            _g.c.location == _f.c.location,
+            sa.not_(sa.and_(_g.c.job_id == sa.bindparam("job"), _g.c.checkpoint_id.in_(_IDS))),
+        )
+        .exists(),
+        ~sa.select(compaction_registry.compaction_refs.c.location)
+        .where(compaction_registry.compaction_refs.c.location == _f.c.location)
+        .exists(),
+    )
+)
+_DELETES = [
+    sa.delete(t).where(t.c.job_id == sa.bindparam("job"), t.c.checkpoint_id.in_(_IDS))
+    for t in (file_refs, subtask_states, checkpoints)
+]
+
 MAX_ID = (1 << 63) - 1
 """The largest checkpoint id the schema holds (a signed 64-bit ``BIGINT``)."""
 
@@ -594,7 +648,7 @@ class MetadataStore:
         referenced by any checkpoint of any job: the caller deletes them after this returns.
         """
         with self._tx() as conn:
-            return self._record(conn, checkpoint, retain)
+            return self._record(conn, checkpoint, retain, reserve=False)[0]
 
     def record_completed_and_reserve(
         self, checkpoint: CompletedCheckpoint, retain: int
@@ -603,27 +657,32 @@ class MetadataStore:
         checkpoint id (:meth:`next_checkpoint_id`): the coordinator's next trigger then
         writes nothing (one commit, one sync to disk, per checkpoint)."""
         with self._tx() as conn:
-            retention = self._record(conn, checkpoint, retain)
-            return retention, self._next_id(conn, checkpoint.job_id)
+            retention, next_id = self._record(conn, checkpoint, retain, reserve=True)
+            assert next_id is not None
+            return retention, next_id
 
-    def _record(self, conn: Connection, cp: CompletedCheckpoint, retain: int) -> Retention:
+    def _record(
+        self, conn: Connection, cp: CompletedCheckpoint, retain: int, reserve: bool
+    ) -> tuple[Retention, int | None]:
+        """The coordinator's commit, on its critical path: a dozen statements, each
+        stepped once (rows come back only for what is released), because the driver
+        gives the GIL up at every step and a busy task thread holds it a switch
+        interval before it hands it back; the files are listed once."""
         if retain < 1:
             raise MetadataStoreError("retain must be >= 1")
-        _lock_job(conn, cp.job_id)
-        self._insert(conn, cp)
-        expired = [
-            int(r[0])
-            for r in conn.execute(
-                sa.select(checkpoints.c.checkpoint_id)
-                .where(checkpoints.c.job_id == cp.job_id, checkpoints.c.kind == "checkpoint")
-                .order_by(checkpoints.c.checkpoint_id.desc())
-                .offset(retain)
-            )
-        ]
+        next_id = None
+        if reserve:  # the job's row lock as well (see _lock_job)
+            next_id = self._next_id(conn, cp.job_id)
+        else:
+            _lock_job(conn, cp.job_id)
+        files = cp.files()
+        self._insert(conn, cp, files)
+        found = conn.execute(_EXPIRED, {"job": cp.job_id, "retain": retain})
+        expired = [int(r[0]) for r in found]
         released = set(self._remove(conn, cp.job_id, expired))
-        decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(cp.files()))
+        decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(files))
         released.update(self._unreferenced(conn, decided))
-        return Retention(tuple(sorted(expired)), sorted(released))
+        return Retention(tuple(sorted(expired)), sorted(released)), next_id
 
     def record_savepoint(self, savepoint: CompletedCheckpoint) -> None:
         """Record a savepoint made outside the coordinator (``statectl savepoint``).
@@ -634,68 +693,47 @@ class MetadataStore:
         if savepoint.kind != "savepoint":
             raise MetadataStoreError(f"record_savepoint: kind {savepoint.kind!r}")
         with self._tx() as conn:
-            self._insert(conn, savepoint)
+            self._insert(conn, savepoint, savepoint.files())
 
     @staticmethod
-    def _insert(conn: Connection, cp: CompletedCheckpoint) -> None:
-        """Insert the rows of ``cp``: checkpoint, subtask states, file references."""
-        conn.execute(
-            sa.insert(checkpoints).values(
-                job_id=cp.job_id,
-                checkpoint_id=cp.checkpoint_id,
-                kind=cp.kind,
-                triggered_at=cp.triggered_at,
-                completed_at=cp.completed_at,
-                source_offsets=json.dumps(cp.source_offsets, sort_keys=True),
-                stats=json.dumps(cp.stats, sort_keys=True),
-            )
+    def _insert(conn: Connection, cp: CompletedCheckpoint, files: Sequence[str]) -> None:
+        """Insert the rows of ``cp``: checkpoint, subtask states, file references
+        (``files``: ``cp.files()``)."""
+        _insert_rows(
+            conn,
+            checkpoints,
+            [
+                (
+                    cp.job_id,
+                    cp.checkpoint_id,
+                    cp.kind,
+                    cp.triggered_at,
+                    cp.completed_at,
+                    json.dumps(cp.source_offsets, sort_keys=True),
+                    json.dumps(cp.stats, sort_keys=True),
+                )
+            ],
         )
-        # One multi-row INSERT per table, not one statement per row: the driver gives the
-        # GIL up and takes it back at every statement it steps, and beside a busy task
-        # thread each take costs up to a switch interval (a record references every log
-        # segment since the last materialization, tens of files).
-        if cp.subtasks:
-            conn.execute(
-                sa.insert(subtask_states).values(
-                    [
-                        {
-                            "job_id": cp.job_id,
-                            "checkpoint_id": cp.checkpoint_id,
-                            "operator": s.operator,
-                            "subtask": s.subtask,
-                            "state": s.to_json(),
-                        }
-                        for s in cp.subtasks
-                    ]
-                )
-            )
-        files = cp.files()
-        for start in range(0, len(files), _ROWS_PER_INSERT):
-            conn.execute(
-                sa.insert(file_refs).values(
-                    [
-                        {"job_id": cp.job_id, "checkpoint_id": cp.checkpoint_id, "location": f}
-                        for f in files[start : start + _ROWS_PER_INSERT]
-                    ]
-                )
-            )
+        _insert_rows(
+            conn,
+            subtask_states,
+            [
+                (cp.job_id, cp.checkpoint_id, s.operator, s.subtask, s.to_json())
+                for s in cp.subtasks
+            ],
+        )
+        _insert_rows(conn, file_refs, [(cp.job_id, cp.checkpoint_id, f) for f in files])
 
     def _remove(self, conn: Connection, job_id: str, ids: Sequence[int]) -> list[str]:
+        """Delete the records of checkpoints ``ids``; returns their files that nothing
+        else references (no other checkpoint, no undecided compaction). Those are found
+        in one query before the deletes, so only they come back as rows."""
         if not ids:
             return []
-        candidates = {
-            r[0]
-            for r in conn.execute(
-                sa.select(file_refs.c.location).where(
-                    file_refs.c.job_id == job_id, file_refs.c.checkpoint_id.in_(ids)
-                )
-            )
-        }
-        for table in (file_refs, subtask_states, checkpoints):
-            conn.execute(
-                sa.delete(table).where(table.c.job_id == job_id, table.c.checkpoint_id.in_(ids))
-            )
-        return self._unreferenced(conn, candidates)
+        released = [r[0] for r in conn.execute(_RELEASED, {"job": job_id, "ids": list(ids)})]
+        for delete in _DELETES:
+            conn.execute(delete, {"job": job_id, "ids": list(ids)})
+        return sorted(released)
 
     @staticmethod
     def _unreferenced(conn: Connection, candidates: Iterable[str]) -> list[str]:

@@ -55,21 +55,33 @@ def register_handle(tag: str) -> Callable[[type[H]], type[H]]:
     return wrap
 
 
+_PLAIN = (str, int, float, bool, type(None))
+_FIELDS: dict[type[Any], tuple[str, ...]] = {}  # field names per handle class
+
+
 def _encode(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return handle_to_json(value)
+    # On the coordinator's commit path (a record holds hundreds of values): the plain
+    # ones first, and no dataclasses.fields() per handle.
+    if isinstance(value, _PLAIN):
+        return value
     if isinstance(value, tuple | list):
         return [_encode(v) for v in value]
     if isinstance(value, dict):
         return {k: _encode(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return handle_to_json(value)
     return value
 
 
 def handle_to_json(handle: Any) -> dict[str, Any]:
     """The JSON-ready dict of a registered handle (nested handles included)."""
-    out: dict[str, Any] = {"type": type(handle).TYPE_TAG, "v": FORMAT_VERSION}
-    for field in dataclasses.fields(handle):
-        out[field.name] = _encode(getattr(handle, field.name))
+    cls = type(handle)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(handle))
+    out: dict[str, Any] = {"type": cls.TYPE_TAG, "v": FORMAT_VERSION}
+    for name in names:
+        out[name] = _encode(getattr(handle, name))
     return out
 
 

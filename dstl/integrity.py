@@ -22,6 +22,7 @@ size and the format's own checksums only (:attr:`FileRef.content_hash` is ``""``
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from dstl.fileio import FileIO
 
 HASH_NAME = "sha256"
-_HEX_CHARS = 64
+_HASH_TEXT = re.compile(r"[0-9a-f]{64}")  # one C call: a FileRef is built per file per record
 
 
 def content_hash(data: bytes | bytearray | memoryview) -> str:
@@ -41,7 +42,7 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
 
 def is_content_hash(text: str) -> bool:
     """Whether ``text`` has the form :func:`content_hash` returns."""
-    return len(text) == _HEX_CHARS and all(c in "0123456789abcdef" for c in text)
+    return _HASH_TEXT.fullmatch(text) is not None
 
 
 @dataclass(frozen=True, slots=True)

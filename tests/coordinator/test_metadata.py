@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from backends.handles import KeyedStateHandle
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, SubtaskState
@@ -63,6 +64,44 @@ def test_files_shared_with_another_job_are_not_released(store: MetadataStore) ->
     store.add_completed(_cp("old", 1, ["shared"]), retain=1)
     store.add_completed(_cp("new", 1, ["shared", "n1"]), retain=1)
     assert store.add_completed(_cp("new", 2, ["n2"]), retain=1) == ["n1"]
+
+
+def test_files_shared_by_several_expired_checkpoints_are_released_once(
+    store: MetadataStore,
+) -> None:
+    store.start_attempt("j")
+    for cid, files in ((1, ["a", "b"]), (2, ["b", "c"]), (3, ["c", "d"])):
+        assert store.add_completed(_cp("j", cid, files), retain=3) == []
+    # 4 expires 1, 2 and 3 at once: "b" is referenced only by expired ones, "d" still by 4
+    assert store.add_completed(_cp("j", 4, ["d", "e"]), retain=1) == ["a", "b", "c"]
+    assert store.unreferenced(["a", "b", "c", "d", "e"]) == ["a", "b", "c"]
+
+
+def test_a_record_runs_as_many_statements_for_many_files_as_for_few(
+    store: MetadataStore,
+) -> None:
+    """The driver gives the GIL up at every statement it steps (and every row it
+    fetches), and a busy task thread holds it a switch interval before handing it back:
+    the coordinator's commit must not take one step per file."""
+    steps: list[bool] = []  # per statement: whether the driver steps it once per row
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *a: steps.append(a[5]))
+
+    def record(files: list[str]) -> int:
+        steps.clear()
+        _, reserved[0] = store.record_completed_and_reserve(_cp("j", reserved[0], files), 1)
+        assert not any(steps)
+        return len(steps)
+
+    store.start_attempt("j")
+    reserved = [store.next_checkpoint_id("j")]
+    few = [record(["f1", "f2"]), record(["f2", "f3"])]
+    many = [f"m{i}" for i in range(500)]
+    assert record(many) == few[1]
+    assert record([*many[:250], "x"]) == few[1]
+    assert reserved == [5]
+    assert store.unreferenced(many) == many[250:]
+    latest = store.latest("j")
+    assert latest is not None and latest.checkpoint_id == 4 and len(latest.files()) == 251
 
 
 def test_missing_checkpoint_is_a_clear_error(store: MetadataStore) -> None:
