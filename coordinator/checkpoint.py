@@ -5,8 +5,8 @@ injected ``now``; acks, declines and savepoint requests arrive from any thread t
 queue and are applied on the next tick. Life of a checkpoint::
 
     trigger -> pending --(every expected ack)--> [savepoint: copy files] -> committing
-            -> (committer thread) before_commit -> record committed (retention released
-               and the next id reserved in the same transaction)
+            -> (committer thread) before_commit -> record committed (retention released,
+               the next id reserved and compactions looked up in the same transaction)
             -> (next tick) older pending subsumed -> notify_complete(id, last_subsumed)
             -> delete released
     pending --(decline | timeout | newer completed)--> aborted -> notify_abort(id, reason)
@@ -56,7 +56,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from coordinator.compactions import RegisteredCompaction
-from coordinator.errors import CheckpointTriggerRejectedError, SavepointError
+from coordinator.errors import (
+    CheckpointTriggerRejectedError,
+    RecordSupersededError,
+    SavepointError,
+)
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, Retention, SubtaskState
 from coordinator.savepoint import make_self_contained
 from dstl.errors import (
@@ -160,10 +164,14 @@ class _Decline:
     reason: str
 
 
+# a record's outcome: retention, milliseconds, the next id reserved, compactions found
+_Recorded = tuple[Retention, float, int | None, list[RegisteredCompaction]]
+
+
 @dataclass(frozen=True, slots=True)
 class _Committed:
     checkpoint_id: int
-    result: Future[tuple[Retention, float, int | None]]
+    result: Future[_Recorded]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +202,11 @@ class CheckpointCoordinator:
     ``notify_complete(id, last_subsumed_id)`` and ``notify_abort(id, reason)`` reach every
     task. ``before_commit(cp)`` runs right before
     the record is written (a test hook: every file of ``cp`` is durable, nothing recorded).
-    ``offer_compactions(found)``, if given, gets the offline compactions registered since
-    the last trigger, looked up at each trigger (in the transaction that reserves the id,
-    or in a read when the previous record reserved it) before the barriers are injected:
-    the tasks adopt them at that barrier without a lookup of their own. ``wakeup()`` is
+    ``offer_compactions(found)``, if given, gets the offline compactions not offered yet,
+    at each trigger before the barriers are injected, as the transaction that reserved
+    the id found them (the previous record's, or the trigger's own when there is no id
+    reserved): the tasks adopt them at that barrier without a lookup of their own, and a
+    trigger reads nothing when the previous record reserved its id. ``wakeup()`` is
     called (on the calling thread) whenever a message for the next :meth:`tick` was
     queued. The deleter thread (``coordinator-deleter``) is joined
     by :meth:`close`.
@@ -253,6 +262,7 @@ class CheckpointCoordinator:
         self.committing: dict[int, tuple[PendingCheckpoint, CompletedCheckpoint]] = {}
         self._recording: int | None = None
         self._reserved_id: int | None = None  # reserved with the last record, unused
+        self._reserved_found: list[RegisteredCompaction] = []  # ... compactions it found
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
         self._slices = contextlib.ExitStack()  # short GIL slices while any is pending
         self._slices_held = False
@@ -361,17 +371,15 @@ class CheckpointCoordinator:
             self._slices.enter_context(short_gil_slices(CHECKPOINT_GIL_SLICE_S))
             self._slices_held = True
         started, triggered_wall = time.perf_counter(), self._wall_clock()
-        found: list[RegisteredCompaction] = []
         reserved, self._reserved_id = self._reserved_id, None
+        found, self._reserved_found = self._reserved_found, []
         if reserved is not None:
-            # No write: the commit before reserved it. Used only if it is still the
-            # newest id of the job: one taken since (``statectl savepoint``) must stay
-            # above every checkpoint recorded after it.
-            last, found = self.store.peek_sequence(self.job_id, self._compactions_seen)
-            if last != reserved:
-                reserved, found = None, []
-        if reserved is not None:
+            # Neither a read nor a write: the commit before reserved the id and looked
+            # the compactions up. Should a savepoint (``statectl``) take a higher id and
+            # be recorded before this checkpoint, its record is refused (ids increase in
+            # record order) and the next trigger reserves anew.
             checkpoint_id = reserved
+            found = [c for c in found if c.compaction_id > self._compactions_seen]
         elif self._offer_compactions is None:
             checkpoint_id = self.store.next_checkpoint_id(self.job_id)
         else:
@@ -477,24 +485,31 @@ class CheckpointCoordinator:
             return
         cid, (_, completed) = next(iter(self.committing.items()))
         self._recording = cid
-        record = self._committer.submit(self._record, completed)
+        record = self._committer.submit(self._record, completed, self._compactions_seen)
         record.add_done_callback(lambda f: self._post(_Committed(cid, f)))
 
-    def _record(self, completed: CompletedCheckpoint) -> tuple[Retention, float, int | None]:
-        """The committer thread: write the record (and reserve the next checkpoint's id in
-        the same transaction). Returns the retention, the milliseconds it took, the id."""
+    def _record(self, completed: CompletedCheckpoint, compactions_seen: int) -> _Recorded:
+        """The committer thread: write the record (and, in the same transaction, reserve
+        the next checkpoint's id and look up compactions registered after
+        ``compactions_seen``). Returns them and the milliseconds it took."""
         if self._before_commit is not None:
             self._before_commit(completed)
         started = time.perf_counter()
-        retention, next_id = self.store.record_completed_and_reserve(completed, self.options.retain)
-        return retention, (time.perf_counter() - started) * 1e3, next_id
+        retention, next_id, found = self.store.record_completed_and_reserve(
+            completed, self.options.retain, compactions_seen
+        )
+        return retention, (time.perf_counter() - started) * 1e3, next_id, found
 
     def _on_committed(self, msg: _Committed, now: float) -> None:
         """A record's commit ended: the checkpoint is complete (or its outcome unknown)."""
         cp, completed = self.committing.pop(msg.checkpoint_id)
         self._recording = None
         try:
-            retention, record_ms, next_id = msg.result.result()
+            retention, record_ms, next_id, found = msg.result.result()
+        except RecordSupersededError as exc:  # nothing written: a known abort, no failure
+            self._abort(cp, exc, now, count_failure=False)
+            self._record_next()
+            return
         except MetadataStoreError as exc:
             # Unknown outcome: the commit may have landed. Delete nothing; late acks of
             # this id are not "aborted" either.
@@ -502,7 +517,7 @@ class CheckpointCoordinator:
             self._record_next()
             return
         if next_id is not None and next_id > self.last_triggered_id:
-            self._reserved_id = next_id
+            self._reserved_id, self._reserved_found = next_id, found
         self.completed.append(completed)
         self.latest_completed_id = max(self.latest_completed_id, cp.checkpoint_id)
         if cp.kind == CHECKPOINT:

@@ -213,15 +213,19 @@ def register(
 
 def decide(
     conn: Connection, job_id: str, state: Mapping[Slot, KeyedStateHandle], files: set[str]
-) -> list[str]:
+) -> tuple[list[str], list[RegisteredCompaction]]:
     """Drop the rows a newly recorded checkpoint (its keyed ``state`` and ``files``)
     decides; returns the dropped rows' files that no checkpoint references (candidates:
-    the caller removes those another row still references)."""
+    the caller removes those another row still references), and the rows left undecided
+    (as :func:`pending` orders them)."""
     dropped: list[RegisteredCompaction] = []
+    kept: list[RegisteredCompaction] = []
     for row in pending(conn, job_id):
         adopted = set(row.handle.files()) <= files
         if adopted or superseded(row.handle, state.get((row.operator, row.subtask))):
             dropped.append(row)
+        else:
+            kept.append(row)
     released: set[str] = set()
     for row in dropped:
         for table in (compactions, compaction_refs):
@@ -234,7 +238,7 @@ def decide(
                 )
             )
         released.update(f for f in row.handle.files() if f not in files)
-    return sorted(released)
+    return sorted(released), kept
 
 
 def referenced(conn: Connection, locations: Iterable[str]) -> set[str]:

@@ -7,7 +7,8 @@
     ├── SavepointError                   a savepoint could not be made self-contained
     └── CompactionSupersededError        an offline compaction lost to newer state
     MetadataStoreError
-    └── SchemaVersionError               the database schema is newer than this code
+    ├── SchemaVersionError               the database schema is newer than this code
+    └── RecordSupersededError            a newer record of the job landed first
     SinkError                            a sink could not publish a committed transaction
 """
 
@@ -32,6 +33,12 @@ class CompactionSupersededError(CheckpointError):
 
 class SchemaVersionError(MetadataStoreError):
     """The metadata schema is newer than this code knows; it is never downgraded."""
+
+
+class RecordSupersededError(MetadataStoreError):
+    """A checkpoint was not recorded: the job already has a record with a higher id (a
+    savepoint ``statectl`` took meanwhile). Nothing was written; the checkpoint is
+    aborted, and its state is in the next one."""
 
 
 class SinkError(StateBackendError):

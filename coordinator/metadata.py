@@ -29,7 +29,11 @@ from sqlalchemy.engine import Connection, Engine
 from backends.handles import MaterializationHandle
 from coordinator import compactions as compaction_registry
 from coordinator.compactions import RegisteredCompaction
-from coordinator.errors import CompactionSupersededError, SchemaVersionError
+from coordinator.errors import (
+    CompactionSupersededError,
+    RecordSupersededError,
+    SchemaVersionError,
+)
 from coordinator.handles import handle_from_json, handle_to_json
 from dstl.errors import (
     CheckpointNotFoundError,
@@ -331,6 +335,9 @@ def _insert_rows(conn: Connection, table: sa.Table, rows: Sequence[tuple[Any, ..
 
 
 # The record's statements, built once (building one costs more CPU than running it).
+_NEWEST = sa.select(sa.func.max(checkpoints.c.checkpoint_id)).where(
+    checkpoints.c.job_id == sa.bindparam("job")
+)
 _EXPIRED = (
     sa.select(checkpoints.c.checkpoint_id)
     .where(checkpoints.c.job_id == sa.bindparam("job"), checkpoints.c.kind == "checkpoint")
@@ -605,21 +612,6 @@ class MetadataStore:
             checkpoint_id = self._next_id(conn, job_id)
             return checkpoint_id, compaction_registry.pending(conn, job_id, None, compactions_after)
 
-    def peek_sequence(
-        self, job_id: str, compactions_after: int
-    ) -> tuple[int, builtins.list[RegisteredCompaction]]:
-        """The job's last reserved checkpoint id and its undecided compactions with an id
-        above ``compactions_after``, in one read (no write, no lock): whether an id the
-        caller reserved earlier is still the newest, and what :meth:`reserve_checkpoint`
-        would have found."""
-        with self._tx() as conn:
-            row = conn.execute(
-                sa.select(jobs.c.last_checkpoint_id).where(jobs.c.job_id == job_id)
-            ).first()
-            if row is None:
-                raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
-            return int(row[0]), compaction_registry.pending(conn, job_id, None, compactions_after)
-
     @staticmethod
     def _next_id(conn: Connection, job_id: str) -> int:
         row = conn.execute(
@@ -651,23 +643,31 @@ class MetadataStore:
             return self._record(conn, checkpoint, retain, reserve=False)[0]
 
     def record_completed_and_reserve(
-        self, checkpoint: CompletedCheckpoint, retain: int
-    ) -> tuple[Retention, int]:
+        self, checkpoint: CompletedCheckpoint, retain: int, compactions_after: int = 0
+    ) -> tuple[Retention, int, builtins.list[RegisteredCompaction]]:
         """:meth:`record_completed`, and in the same transaction reserve the job's next
-        checkpoint id (:meth:`next_checkpoint_id`): the coordinator's next trigger then
-        writes nothing (one commit, one sync to disk, per checkpoint)."""
+        checkpoint id (:meth:`next_checkpoint_id`) and look up the job's undecided
+        compactions with an id above ``compactions_after`` (as
+        :meth:`pending_compactions`): the coordinator's next trigger then reads and writes
+        nothing (one commit, one sync to disk, per checkpoint)."""
         with self._tx() as conn:
-            retention, next_id = self._record(conn, checkpoint, retain, reserve=True)
+            retention, next_id, undecided = self._record(conn, checkpoint, retain, reserve=True)
             assert next_id is not None
-            return retention, next_id
+            return retention, next_id, [c for c in undecided if c.compaction_id > compactions_after]
 
     def _record(
         self, conn: Connection, cp: CompletedCheckpoint, retain: int, reserve: bool
-    ) -> tuple[Retention, int | None]:
+    ) -> tuple[Retention, int | None, builtins.list[RegisteredCompaction]]:
         """The coordinator's commit, on its critical path: a dozen statements, each
         stepped once (rows come back only for what is released), because the driver
         gives the GIL up at every step and a busy task thread holds it a switch
-        interval before it hands it back; the files are listed once."""
+        interval before it hands it back; the files are listed once.
+
+        Records land with increasing ids: a record below the job's newest one (a
+        savepoint ``statectl`` took and recorded after this checkpoint's id was
+        reserved) is refused with :class:`RecordSupersededError`, writing nothing; the
+        job's row lock is held from the first statement on, so the check holds until
+        the commit."""
         if retain < 1:
             raise MetadataStoreError("retain must be >= 1")
         next_id = None
@@ -675,14 +675,20 @@ class MetadataStore:
             next_id = self._next_id(conn, cp.job_id)
         else:
             _lock_job(conn, cp.job_id)
+        newest = conn.execute(_NEWEST, {"job": cp.job_id}).scalar()
+        if newest is not None and int(newest) >= cp.checkpoint_id:
+            raise RecordSupersededError(
+                f"checkpoint {cp.checkpoint_id} of job {cp.job_id} not recorded: "
+                f"{newest} is recorded already"
+            )
         files = cp.files()
         self._insert(conn, cp, files)
         found = conn.execute(_EXPIRED, {"job": cp.job_id, "retain": retain})
         expired = [int(r[0]) for r in found]
         released = set(self._remove(conn, cp.job_id, expired))
-        decided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(files))
+        decided, undecided = compaction_registry.decide(conn, cp.job_id, _keyed(cp), set(files))
         released.update(self._unreferenced(conn, decided))
-        return Retention(tuple(sorted(expired)), sorted(released)), next_id
+        return Retention(tuple(sorted(expired)), sorted(released)), next_id, undecided
 
     def record_savepoint(self, savepoint: CompletedCheckpoint) -> None:
         """Record a savepoint made outside the coordinator (``statectl savepoint``).

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from coordinator.checkpoint import CheckpointCoordinator, CheckpointOptions
+from coordinator.compactions import RegisteredCompaction
 from coordinator.errors import CheckpointTriggerRejectedError
 from coordinator.handles import ChannelStateHandle, SinkTransactionHandle
 from coordinator.metadata import CompletedCheckpoint, MetadataStore, Retention, SubtaskState
@@ -172,7 +173,7 @@ def test_the_next_checkpoint_runs_while_a_record_commits_and_nothing_is_confirme
     h.coord.close()
 
 
-def test_an_id_taken_since_the_last_record_reserved_one_is_never_passed_under(
+def test_a_savepoint_recorded_above_a_reserved_id_is_never_passed_under(
     store: MetadataStore, tmp_path: Path
 ) -> None:
     h = _harness(store, tmp_path, interval_s=1.0)
@@ -180,12 +181,43 @@ def test_an_id_taken_since_the_last_record_reserved_one_is_never_passed_under(
     h.ack_all(1, ["a"])
     h.coord.tick(0.1)  # recorded, and id 2 reserved with the record
     h.coord.tick(1.0)
-    assert h.triggered == [1, 2]  # used without a write
+    assert h.triggered == [1, 2]  # used without a read or a write
     h.ack_all(2, ["a"])
     h.coord.tick(1.1)  # id 3 reserved with the record
-    taken = store.next_checkpoint_id(JOB)  # what statectl savepoint does meanwhile
+    taken = store.next_checkpoint_id(JOB)  # what statectl savepoint does meanwhile ...
     h.coord.tick(2.0)
-    assert taken == 4 and h.triggered == [1, 2, 5]  # not 3: below the savepoint's id
+    assert taken == 4 and h.triggered == [1, 2, 3]
+    savepoint = CompletedCheckpoint(JOB, taken, "savepoint", 0.0, 0.0, (h.op_state(4, ["a"]),))
+    store.record_savepoint(savepoint)  # ... and its record lands before checkpoint 3's
+    h.ack_all(3, ["a", "b"])
+    h.coord.tick(2.1)
+    # below the savepoint's id: refused, nothing written, neither a failure nor confirmed
+    assert h.aborted == [(3, "checkpoint 3 of job j not recorded: 4 is recorded already")]
+    assert h.completed == [(1, None), (2, 1)] and h.coord.consecutive_failures == 0
+    assert [c.checkpoint_id for c in store.list(JOB)] == [2, 4]
+    h.coord.tick(3.0)
+    assert h.triggered == [1, 2, 3, 5]  # reserved anew, above the savepoint
+    h.ack_all(5, ["a", "b"])
+    h.coord.tick(3.1)
+    assert h.completed[-1] == (5, 2)
+    assert [c.checkpoint_id for c in store.list(JOB)] == [4, 5]
+    h.coord.close()
+
+
+def test_a_taken_savepoint_id_recorded_after_the_checkpoint_below_it_passes(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    h = _harness(store, tmp_path, interval_s=1.0)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)  # id 2 reserved with the record
+    taken = store.next_checkpoint_id(JOB)
+    h.coord.tick(1.0)
+    h.ack_all(2, ["a"])
+    h.coord.tick(1.1)  # 2 lands before the savepoint's 3: ids still rise in record order
+    store.record_savepoint(CompletedCheckpoint(JOB, taken, "savepoint", 0.0, 0.0, ()))
+    assert h.triggered == [1, 2] and h.completed == [(1, None), (2, 1)]
+    assert [c.checkpoint_id for c in store.list(JOB)] == [2, 3]
     h.coord.close()
 
 
@@ -404,9 +436,9 @@ class _CommitLandsButReportsFailure(MetadataStore):
     fail = True
 
     def record_completed_and_reserve(
-        self, checkpoint: CompletedCheckpoint, retain: int
-    ) -> tuple[Retention, int]:
-        result = super().record_completed_and_reserve(checkpoint, retain)
+        self, checkpoint: CompletedCheckpoint, retain: int, compactions_after: int = 0
+    ) -> tuple[Retention, int, list[RegisteredCompaction]]:
+        result = super().record_completed_and_reserve(checkpoint, retain, compactions_after)
         if self.fail:
             raise MetadataStoreError("connection lost after COMMIT was sent")
         return result

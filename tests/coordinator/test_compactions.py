@@ -144,3 +144,28 @@ def test_a_v3_database_gets_the_compaction_registry(metadata_url: str) -> None:
         assert version == SCHEMA_VERSION == 4
         assert sa.inspect(conn).has_table("compaction_refs")
     engine.dispose()
+
+
+def test_the_record_that_reserves_the_next_id_finds_the_undecided_compactions(
+    store: MetadataStore,
+) -> None:
+    """What the coordinator's next trigger offers the tasks without a lookup of its own."""
+    reserved = store.next_checkpoint_id(JOB)
+    _, reserved, found = store.record_completed_and_reserve(
+        _cp(reserved, (), (_log("w", 0, 5),)), 1
+    )
+    assert found == []
+    x = _mat("w", 5, "c1", "compacted")
+    cid = store.register_compaction(JOB, 1, {("op", 0): x})
+    _, reserved, found = store.record_completed_and_reserve(
+        _cp(reserved, (), (_log("w", 0, 6),)), 1
+    )
+    assert [(c.compaction_id, c.handle) for c in found] == [(cid, x)]
+    _, reserved, found = store.record_completed_and_reserve(
+        _cp(reserved, (), (_log("w", 0, 7),)), 1, compactions_after=cid
+    )
+    assert found == []  # offered already
+    _, reserved, found = store.record_completed_and_reserve(
+        _cp(reserved, (x,), (_log("w", 5, 8),)), 1
+    )
+    assert found == [] and reserved == 5  # adopted: decided by this very record

@@ -88,7 +88,7 @@ def test_a_record_runs_as_many_statements_for_many_files_as_for_few(
 
     def record(files: list[str]) -> int:
         steps.clear()
-        _, reserved[0] = store.record_completed_and_reserve(_cp("j", reserved[0], files), 1)
+        _, reserved[0], _ = store.record_completed_and_reserve(_cp("j", reserved[0], files), 1)
         assert not any(steps)
         return len(steps)
 

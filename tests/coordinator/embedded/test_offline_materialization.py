@@ -90,10 +90,11 @@ def test_offline_job_adopts_a_compaction_and_releases_the_log(tmp_path: Path) ->
     later = [cp for cp in result.checkpoints if cp.checkpoint_id > source.checkpoint_id]
     adopted = [cp for cp in later if files <= set(cp.files())]
     assert adopted, "no checkpoint after the compaction rests on it"
-    # at the first barrier after the registration (the next checkpoint may have been
-    # triggered while the source's record was committing, before its listener ran)
-    first = next(cp for cp in later if cp.triggered_at >= registered_at[0])
-    assert adopted[0].checkpoint_id == first.checkpoint_id
+    # at one of the first two barriers after the registration: a record looks the
+    # compactions up as it reserves the next checkpoint's id, so one registered after the
+    # record that reserved the next trigger's id is offered a trigger later
+    firsts = [cp.checkpoint_id for cp in later if cp.triggered_at >= registered_at[0]]
+    assert adopted[0].checkpoint_id in firsts[:2]
     with MetadataStore.for_local_store(str(root), create=False) as store:
         assert store.pending_compactions(job.job_id) == []
         final = store.latest(job.job_id)
