@@ -345,7 +345,7 @@ _EXPIRED = (
     .offset(sa.bindparam("retain", type_=sa.Integer))
 )
 _f, _g = file_refs.alias("f"), file_refs.alias("g")
-_IDS = sa.bindparam("ids", expanding=True)
+_IDS: sa.BindParameter[list[int]] = sa.bindparam("ids", expanding=True)
 _RELEASED = (  # files of checkpoints ``ids`` nothing else references
     sa.select(_f.c.location)
     .distinct()

@@ -29,9 +29,9 @@ a materialization of 1M keys under 2 s."""
 
 CHECKPOINT_GIL_SLICE_S = 0.0002
 """The switch interval while a checkpoint is in flight (trigger to recorded). Its own part
-is a chain of short steps on other threads (the metadata commit alone gives the GIL up
-40-odd times: every statement the driver prepares and steps), each waiting for a busy
-task thread's slice. A record beside a busy Python thread, p50 over 30: 68 ms at 5 ms,
+is a chain of short steps on other threads (the metadata commit gives the GIL up at each
+of its dozen statements), each waiting for a busy task thread's slice. A record beside a
+busy Python thread, p50 over 30 (when it still ran 40-odd statements): 68 ms at 5 ms,
 48 ms at 1 ms, 32 ms at 0.5 ms, 21 ms at 0.2 ms, 17 ms at 0.1 ms; the busy thread did
 not run slower. Held ~5% of the time at one checkpoint a second."""
 
