@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import rocksdict
@@ -85,6 +86,8 @@ FLUSH_WAIT_S = 60.0
 # entries (its flush on the task thread then takes milliseconds), at most this many times.
 SNAPSHOT_FLUSH_ENTRIES = 16384
 PREPARE_FLUSH_ROUNDS = 2
+# load_serialized_values ingests an SST file from this many rows on (fewer: a write batch).
+INGEST_MIN_ROWS = 4096
 
 _block_cache: rocksdict.Cache | None = None
 
@@ -209,6 +212,28 @@ def decode_state_rows(
         else:
             values.append(vser.deserialize(v))
     return runs
+
+
+def _ascending(rows: pa.Array) -> bool:
+    """Whether binary ``rows`` are strictly ascending, bytewise; checked in numpy for
+    rows of one width that is a multiple of 8 (big-endian words compared in turn), else
+    False (sort them)."""
+    n = len(rows)
+    if n < 2 or rows.null_count:
+        return n < 2
+    offsets = np.frombuffer(rows.buffers()[1], np.int32, n + 1, rows.offset * 4)
+    width = int(offsets[1] - offsets[0])
+    if width % 8 or not width or int(offsets[-1] - offsets[0]) != width * n:
+        return False
+    words = np.frombuffer(rows.buffers()[2], ">u8", n * width // 8, int(offsets[0]))
+    words = words.reshape(n, width // 8)
+    undecided = np.ones(n - 1, bool)  # equal so far
+    for w in range(width // 8):
+        col = words[:, w]
+        if np.any(undecided & (col[1:] < col[:-1])):
+            return False
+        undecided &= col[1:] == col[:-1]
+    return not undecided.any()
 
 
 class _RocksValueState:
@@ -775,9 +800,18 @@ class RocksDBKeyedStateBackend:
         self, meta: StateMeta, key_groups: pa.Array, keys: pa.Array, values: pa.Array
     ) -> None:
         """Bulk-insert value-like entries given as serialized bytes (the log's ``key``
-        and ``value`` columns: the bytes this store keeps), one write batch. The rows
-        are built in Arrow; the key groups must be this backend's (the caller filtered
-        them). No Python call per entry beyond the batch's ``put``."""
+        and ``value`` columns: the bytes this store keeps), at most one row per key; the
+        key groups must be this backend's (the caller filtered them). The rows are
+        built and sorted in Arrow; no Python call per entry beyond one ``put``.
+
+        From ``INGEST_MIN_ROWS`` rows on they are written into an SST file
+        (``SstFileWriter``) that RocksDB ingests: no memtable inserts, no flush of them
+        later, and ingested files go to the last level that has room (the last one,
+        restoring into an empty store). Ingestion gives the file's entries a sequence
+        number above every earlier write, so they replace older values of the same keys
+        (a materialization loaded before, a clear of the log) as a write would. Fewer
+        rows go in one write batch.
+        """
         sid = self._register(meta).to_bytes(2, "big")
         prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
         lengths = pc.binary_length(keys)
@@ -791,11 +825,37 @@ class RocksDBKeyedStateBackend:
         else:
             lens = pa.array([_LEN.pack(n) for n in lengths.to_pylist()], pa.binary())
             framed = pc.binary_join_element_wise(prefixes.take(key_groups), lens, keys, b"")
-        wb = rocksdict.WriteBatch(raw_mode=True)
-        put = wb.put
-        for row, value in zip(framed.to_pylist(), values.to_pylist(), strict=True):
-            put(row, value)
-        self._write(wb)
+        if len(framed) < INGEST_MIN_ROWS:
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            put = wb.put
+            for row, value in zip(framed.to_pylist(), values.to_pylist(), strict=True):
+                put(row, value)
+            self._write(wb)
+            return
+        if not _ascending(framed):  # a writer takes RocksDB's (bytewise) order only
+            order = pc.sort_indices(framed)
+            framed, values = framed.take(order), values.take(order)
+        self._ingest(framed.to_pylist(), values.to_pylist())
+
+    def _ingest(self, rows: list[bytes], values: list[bytes]) -> None:
+        """Write strictly ascending ``rows`` with ``values`` into an SST file in this
+        store's directory and ingest it (moved, not copied)."""
+        self._check_open()
+        directory = tempfile.mkdtemp(prefix="ingest-", dir=self.path)
+        path = os.path.join(directory, "load.sst")
+        try:
+            writer = rocksdict.SstFileWriter(db_options())
+            writer.open(path)
+            for row, value in zip(rows, values, strict=True):
+                writer[row] = value
+            writer.finish()
+            opts = rocksdict.IngestExternalFileOptions()
+            opts.set_move_files(True)
+            self._db.ingest_external_file([path], opts)
+        except Exception as exc:  # rocksdict raises plain Exception subclasses
+            raise LocalStoreError(f"RocksDB ingestion of {len(rows)} rows failed ({exc})") from exc
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _write(self, wb: rocksdict.WriteBatch) -> None:
         self._check_open()

@@ -321,3 +321,38 @@ def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> N
     expected = {f"k{i}": (3 * keys + i if i < hot else keys + i) for i in range(keys)}
     expected.update({"k0": -1, "late": -2})
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_bulk_loaded_values_are_ingested_over_older_ones(factory: Factory, sort: bool) -> None:
+    """load_serialized_values from INGEST_MIN_ROWS rows on writes an SST file RocksDB
+    ingests (nothing in the memtable): its values replace older ones of the same keys,
+    in the memtable or in files, whether the rows came sorted or not; other keys stay."""
+    import pyarrow as pa
+
+    from backends.rocksdb import INGEST_MIN_ROWS
+
+    b = factory.store("rocksdb", key_serializer=INT64)
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    n = 2 * INGEST_MIN_ROWS
+    for i in range(0, 2 * n, 2):  # every second key: half of them in a file
+        b.set_current_key(i)
+        s.update(-i)
+        if i == n:
+            b.snapshot().release()
+    keys = list(range(n, 0, -1))  # descending: the store sorts what is not ascending
+    groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
+    if sort:  # the store's order: key group, then key bytes
+        keys.sort(key=lambda k: (key_group_for(INT64.serialize(k), MAX_PAR), INT64.serialize(k)))
+        groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
+    b.load_serialized_values(
+        b.state_metas()["v"],
+        pa.array(groups, pa.int32()),
+        pa.array([INT64.serialize(k) for k in keys], pa.binary()),
+        pa.array([INT64.serialize(10 * k) for k in keys], pa.binary()),
+    )
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
+    for k in range(2 * n):
+        b.set_current_key(k)
+        expected = 10 * k if 0 < k <= n else (-k if k % 2 == 0 else None)
+        assert s.value() == expected, k
