@@ -15,8 +15,10 @@ RocksDB checkpoint (hard links, flushed memtable) in a fresh directory next to t
 database; its files are the SSTs (named as RocksDB names them, stable across snapshots)
 plus the few small files needed to open them as a database. Its memtable flush runs on
 the task thread without the GIL, and :meth:`RocksDBKeyedStateBackend.prepare_snapshot`
-flushes most of the memtable in the background first (see
-:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs).
+first compacts the database and flushes most of the memtable in the background (see
+:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs), so a
+materialization uploads each key once. A restore ingests folded log values as an SST
+file (:meth:`RocksDBKeyedStateBackend.load_serialized_values`).
 """
 
 from __future__ import annotations
