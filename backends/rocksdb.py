@@ -30,6 +30,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -848,8 +849,7 @@ class RocksDBKeyedStateBackend:
         try:
             writer = rocksdict.SstFileWriter(db_options())
             writer.open(path)
-            for row, value in zip(rows, values, strict=True):
-                writer[row] = value
+            deque(map(writer.__setitem__, rows, values), maxlen=0)  # no bytecode per row
             writer.finish()
             opts = rocksdict.IngestExternalFileOptions()
             opts.set_move_files(True)
