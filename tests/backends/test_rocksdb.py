@@ -356,3 +356,20 @@ def test_bulk_loaded_values_are_ingested_over_older_ones(factory: Factory, sort:
         b.set_current_key(k)
         expected = 10 * k if 0 < k <= n else (-k if k % 2 == 0 else None)
         assert s.value() == expected, k
+
+
+def test_close_waits_for_a_running_compaction(factory: Factory) -> None:
+    """A store closed while prepare_snapshot's compaction runs waits for it, then closes
+    (RocksDB must not close under a running compaction); its directory is gone."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    for r in range(3):
+        for i in range(30_000):  # over SNAPSHOT_FLUSH_ENTRIES: the compaction is needed
+            b.set_current_key(f"k{i}")
+            s.update(r)
+    assert not b.prepare_snapshot()
+    b.close()
+    assert b._compaction is None
+    assert not os.path.exists(b.path)
+    with pytest.raises(LocalStoreError):
+        b.prepare_snapshot()
