@@ -671,8 +671,9 @@ class RocksDBKeyedStateBackend:
         """Make the next :meth:`snapshot` small and short; True when it will be. Task
         thread.
 
-        First, unless the SSTs are all in one level, it compacts the database (a manual
-        compaction of the whole key range, memtable included) on a background thread and
+        First, unless the SSTs are all in one level that is not L0 (whose files overlap)
+        and the memtable is small, it compacts the database (a manual compaction of the
+        whole key range, memtable included) on a background thread and
         returns False until that finished: a snapshot's files are what a materialization
         uploads and a checkpoint references, and uncompacted they hold every overwritten
         version of a key in L0 and the upper levels, each entry with its sequence number
