@@ -177,6 +177,9 @@ class InputGate:
         self._capturing = False
         self._blocked: set[int] = set()
         self._held: deque[tuple[int, Any, int]] = deque()
+        # held items being accepted again after an alignment ended (see _unblock)
+        self._replay: deque[tuple[int, Any, int]] = deque()
+        self._replaying = False
         self._waiting: set[int] = set()
         self._until: dict[int, int] = {}
         self._captured: list[tuple[int, Any]] = []
@@ -438,11 +441,24 @@ class InputGate:
         self._unblock()
 
     def _unblock(self) -> None:
+        """Accept the held items again, in order: they may hold the next barrier (and block
+        again, or start its capture). They are ahead of everything still in the inbox on
+        their channels, so a capture that starts among them must not be finished from the
+        inbox alone: while they are replayed, :meth:`_rescan` waits, and it runs once they
+        all went through :meth:`_accept` (which captures those owed to the checkpoint)."""
         self._blocked.clear()
         held, self._held = self._held, deque()
-        # Re-accepted in order: they may hold the next barrier (and block again).
-        for channel, element, index in held:
-            self._accept(channel, element, index)
+        held.extend(self._replay)  # held while replaying: earlier than the rest
+        self._replay = held
+        if self._replaying:
+            return
+        self._replaying = True
+        try:
+            while self._replay:
+                self._accept(*self._replay.popleft())
+        finally:
+            self._replaying = False
+        self._rescan()
 
     def _start_capture(self, done: set[int]) -> None:
         """The current checkpoint is unaligned here from now on: hand the barrier over;
@@ -475,7 +491,7 @@ class InputGate:
     def _rescan(self) -> None:
         """Capturing: copy the in-flight items from the inbox at once if every channel
         that owes items has its boundary there (its queued barrier or a known position)."""
-        if not (self._capturing and self._waiting):
+        if not (self._capturing and self._waiting) or self._replaying:
             return
         if self.inbox.puts == self._scanned_puts:
             return  # nothing new queued since the last scan

@@ -448,6 +448,36 @@ def test_a_barrier_reports_the_records_queued_ahead_of_it() -> None:
     assert gate.stats[2]["ahead_records"] == 1
 
 
+def test_a_capture_started_among_held_items_captures_the_held_ones() -> None:
+    # Found by the random interleavings: the alignment of 1 times out while channel 1
+    # holds 2's barrier and channel 0 holds a record before its own barrier of 2. Taking
+    # the held items again cancels 1 and starts 2 unaligned; the record still held is
+    # before 2's barrier on channel 0, so it belongs to 2's in-flight data.
+    clock = ManualClock()
+    gate = InputGate(3, aligned_timeout_s=1.0, clock=clock)
+    for channel, element in [
+        (0, Barrier(1, 0.0)),
+        (1, Barrier(1, 0.0)),
+        (1, Barrier(2, 0.0)),
+        (0, ["r0"]),
+        (2, ["r1"]),
+        (0, Barrier(2, 0.0)),
+        (2, Barrier(1, 0.0)),
+        (2, Barrier(2, 0.0)),
+    ]:
+        gate.put(channel, element)
+    assert gate.next(timeout=0) == (2, ["r1"])  # 0 and 1 are aligned on 1, 2 is not
+    clock.now = 1.2  # the alignment of 1 timed out
+    out = _drain(gate)
+    assert out == [
+        _b(1, unaligned=True),
+        (CONTROL, CancelledBarrier(1)),
+        _b(2, unaligned=True),
+        (0, ["r0"]),
+        (CONTROL, InFlightData(2, ((0, ["r0"]),))),
+    ]
+
+
 # -- random interleavings ---------------------------------------------------------------------
 def _script(draw: Callable[..., Any], channels: int, checkpoints: int) -> list[list[Any]]:
     """Per channel: record batches (unique ids) and the barriers, in channel order."""
