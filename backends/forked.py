@@ -10,12 +10,9 @@ synchronous part is the fork (the page tables), the child holds the state as of 
 own interpreter on another core; the upload thread of the parent only reads the finished
 pieces from a pipe and uploads them.
 
-:func:`materialization_snapshot` picks the way: for a heap store of at least
-:data:`FORK_MIN_ENTRIES` entries, Arrow columns packed on the task thread when every state
-packs (:mod:`backends.packed`: value-like states of int64, float64, str or bytes; the
-task then pays no copy-on-write faults, which a fork costs it for every page it writes
-while the child lives), else a fork on a platform with ``fork()``; otherwise the store's
-own snapshot (a heap store copies its dicts). A fork that fails (no memory for the page
+:func:`materialization_snapshot` picks the way: a fork for a heap store of at least
+:data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, else the store's own
+snapshot (a heap store copies its dicts). A fork that fails (no memory for the page
 tables, a process limit) falls back to the copy.
 
 The child (:func:`_child`) runs nothing but this module's loop and
@@ -58,7 +55,6 @@ import pyarrow as pa
 from backends.errors import SnapshotProcessError
 from backends.heap import HeapKeyedStateBackend, StateSnapshot
 from backends.keygroups import KeyGroupRange
-from backends.packed import packed_snapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
 
@@ -87,17 +83,14 @@ _PIPE_BYTES = 1 << 20  # fewer reads (each a GIL hand-off on the upload thread)
 
 
 def materialization_snapshot(backend: Any, sqn: int | None) -> MaterializationSnapshot:
-    """The snapshot a materialization of ``backend`` uploads (task thread). A heap store
-    of at least :data:`FORK_MIN_ENTRIES` entries is packed into Arrow columns when all its
-    states pack (:func:`backends.packed.packed_snapshot`: no copy-on-write faults after
-    it), else forked (see the module docstring); other stores, and smaller heap stores,
-    take their own snapshot."""
-    if isinstance(backend, HeapKeyedStateBackend) and backend.entry_count() >= FORK_MIN_ENTRIES:
-        packed = packed_snapshot(backend, sqn)
-        if packed is not None:
-            return packed
-        if hasattr(os, "fork"):
-            return fork_snapshot(backend, sqn)
+    """The snapshot a materialization of ``backend`` uploads (task thread): forked for a
+    heap store (see the module docstring), the store's own snapshot otherwise."""
+    if (
+        isinstance(backend, HeapKeyedStateBackend)
+        and hasattr(os, "fork")
+        and backend.entry_count() >= FORK_MIN_ENTRIES
+    ):
+        return fork_snapshot(backend, sqn)
     snapshot: MaterializationSnapshot = backend.snapshot(sqn)
     return snapshot
 

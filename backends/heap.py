@@ -274,8 +274,7 @@ class HeapKeyedStateBackend(KeyContext):
         """A copy of all state that later mutations do not affect. O(state); task thread.
 
         Expired TTL entries are dropped from the copy and from the live store. (A
-        materialization of a large store packs or forks instead:
-        :func:`backends.forked.materialization_snapshot`.)
+        materialization forks instead: :func:`backends.forked.materialization_snapshot`.)
         """
         self.purge_expired()
         tables: dict[str, Table] = {}

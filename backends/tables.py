@@ -114,11 +114,6 @@ _TEXT_CODES = {"str": "s", "bytes": "b"}
 out as Arrow's string / binary columns (what ``to_arrow`` makes of them)."""
 
 
-def packable(serializer: Serializer) -> bool:
-    """Whether :func:`_column` packs ``serializer``'s values straight from the dicts."""
-    return serializer.name in _ARRAY_CODES or serializer.name in _TEXT_CODES
-
-
 def _column(serializer: Serializer, parts: list[dict[Any, Any]], values: bool) -> pa.Array:
     """``serializer.to_arrow`` of the keys (or ``values``) of ``parts``; int64 and float64
     packed straight from the dicts by :func:`backends._heapstate.pack`, str and bytes by

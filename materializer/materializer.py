@@ -57,7 +57,6 @@ from typing import Protocol
 from backends.forked import ForkedSnapshot
 from backends.handles import MaterializationHandle, StateFileHandle, extent, file_id_of
 from backends.heap import StateSnapshot
-from backends.packed import PackedSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import layout
@@ -450,7 +449,7 @@ def snapshot_files(
     snapshots (copied or forked), the snapshot's own files otherwise (RocksDB SSTs)."""
     if isinstance(snapshot, StateSnapshot):
         return state_files(snapshot, piece_rows)
-    if isinstance(snapshot, ForkedSnapshot | PackedSnapshot):
+    if isinstance(snapshot, ForkedSnapshot):
         return snapshot.pieces(piece_rows)
     return snapshot.files()
 
