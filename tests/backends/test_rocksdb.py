@@ -236,10 +236,10 @@ def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory)
 def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact(
     factory: Factory,
 ) -> None:
-    """prepare_snapshot starts the memtable flush and says when it finished; the
-    writes made meanwhile are the only ones the snapshot's own flush has left, and the
-    snapshot holds them all (it is exact whatever prepare did). A small memtable is
-    ready at once."""
+    """prepare_snapshot starts the compaction (which flushes the memtable first) and
+    says when it finished; only writes made meanwhile are left for the snapshot's own
+    flush, and the snapshot holds them all (it is exact whatever prepare did). A small
+    memtable is ready at once."""
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", INT64))
     for i in range(50_000):  # more than SNAPSHOT_FLUSH_ENTRIES
@@ -252,7 +252,7 @@ def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact
     deadline = time.monotonic() + 60
     while not b.prepare_snapshot():  # until RocksDB's flush thread finished: a turn a read
         assert time.monotonic() < deadline, "the background flush did not finish"
-    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 5
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") <= 5
     snap = b.snapshot()
     try:
         copy = open_raw_db(snap.checkpoint_dir)
@@ -263,3 +263,113 @@ def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact
     assert len(rows) == 50_005
     empty = factory.store("rocksdb")
     assert empty.prepare_snapshot()  # nothing to flush: ready at once
+
+
+def _sst_facts(checkpoint_dir: str) -> tuple[int, int, set[int]]:
+    """(entries, bytes, levels) of the SSTs of a snapshot's checkpoint directory."""
+    db = open_raw_db(checkpoint_dir)
+    try:
+        files = db.live_files()
+    finally:
+        db.close()
+    return (
+        sum(f["num_entries"] for f in files),
+        sum(f["size"] for f in files),
+        {f["level"] for f in files},
+    )
+
+
+def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> None:
+    """After updates flushed as checkpoints do, the SSTs hold keys several times (L0
+    files over the last level); prepare_snapshot compacts them in the background, so the
+    snapshot's files hold each key once (what a materialization uploads), in fewer
+    bytes, while writes made during the compaction stay in it."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    keys, hot = 20_000, 3_000
+    rounds = [range(keys), range(keys), range(hot), range(hot)]  # L0 stays under its
+    for r, updated in enumerate(rounds):  # compaction triggers after the first two
+        for i in updated:
+            b.set_current_key(f"k{i}")
+            s.update(r * keys + i)
+        b.snapshot().release()  # a flush per round, as a checkpoint without changelog
+    unprepared = b.snapshot()
+    try:
+        entries, before, _ = _sst_facts(unprepared.checkpoint_dir)
+    finally:
+        unprepared.release()
+    assert entries >= keys + 2 * hot  # the precondition: overwritten versions in the files
+    b.set_current_key("k0")
+    s.update(-1)  # left in the memtable: the compaction flushes it first
+    deadline = time.monotonic() + 60
+    assert not b.prepare_snapshot()  # the compaction started
+    b.set_current_key("late")
+    s.update(-2)  # written while it runs (or just before: then in its flush)
+    while not b.prepare_snapshot():
+        assert time.monotonic() < deadline, "the background compaction did not finish"
+    snap = b.snapshot()
+    try:
+        entries, after, levels = _sst_facts(snap.checkpoint_dir)
+        copy = open_raw_db(snap.checkpoint_dir)
+        rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
+        copy.close()
+    finally:
+        snap.release()
+    assert entries <= keys + 1  # each key once: the late one maybe in a second file
+    assert after < before
+    assert len(levels - {0}) == 1
+    expected = {f"k{i}": (3 * keys + i if i < hot else keys + i) for i in range(keys)}
+    expected.update({"k0": -1, "late": -2})
+    assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_bulk_loaded_values_are_ingested_over_older_ones(factory: Factory, sort: bool) -> None:
+    """load_serialized_values from INGEST_MIN_ROWS rows on writes an SST file RocksDB
+    ingests (nothing in the memtable): its values replace older ones of the same keys,
+    in the memtable or in files, whether the rows came sorted or not; other keys stay."""
+    import pyarrow as pa
+
+    from backends.rocksdb import INGEST_MIN_ROWS
+
+    b = factory.store("rocksdb", key_serializer=INT64)
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    n = 2 * INGEST_MIN_ROWS
+    for i in range(0, 2 * n, 2):  # every second key: half of them in a file
+        b.set_current_key(i)
+        s.update(-i)
+        if i == n:
+            b.snapshot().release()
+    keys = list(range(n, 0, -1))  # descending: the store sorts what is not ascending
+    groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
+    if sort:  # the store's order: key group, then key bytes
+        keys.sort(key=lambda k: (key_group_for(INT64.serialize(k), MAX_PAR), INT64.serialize(k)))
+        groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
+    b.load_serialized_values(
+        b.state_metas()["v"],
+        pa.array(groups, pa.int32()),
+        pa.array([INT64.serialize(k) for k in keys], pa.binary()),
+        pa.array([INT64.serialize(10 * k) for k in keys], pa.binary()),
+    )
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
+    for k in range(2 * n):
+        b.set_current_key(k)
+        expected = 10 * k if 0 < k <= n else (-k if k % 2 == 0 else None)
+        assert s.value() == expected, k
+
+
+def test_close_waits_for_a_running_compaction(factory: Factory) -> None:
+    """A store closed while prepare_snapshot's compaction runs waits for it, then closes
+    (RocksDB must not close under a running compaction); its directory is gone."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    for r in range(3):
+        for i in range(30_000):  # over SNAPSHOT_FLUSH_ENTRIES: the compaction is needed
+            b.set_current_key(f"k{i}")
+            s.update(r)
+    assert not b.prepare_snapshot()
+    b.close()
+    assert b._compaction is None
+    assert not os.path.exists(b.path)
+    with pytest.raises(LocalStoreError):
+        b.prepare_snapshot()

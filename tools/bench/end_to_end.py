@@ -82,8 +82,18 @@ JOB = "e2e"
 
 
 # -- the worker (one attempt, in its own process) --------------------------------------
+_EMIT_LOCK = threading.Lock()
+
+
 def _emit(event: dict[str, Any]) -> None:
-    print(json.dumps(event), flush=True)
+    """One JSON line on stdout. Under a lock: the sampler, the log handler and the task
+    threads emit, and ``print`` writes the text and the newline separately, so two
+    events could share a line the parent cannot parse (a lost ``restored`` event made
+    ``replay_per_s`` None)."""
+    line = json.dumps(event) + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 class _LogEvents(logging.Handler):
