@@ -568,10 +568,11 @@ class ChangelogKeyedStateBackend(Generic[B]):
         return True if prepare is None else prepare()
 
     def snapshot_for_materialization(self) -> MaterializationSnapshot:
-        """Close the active change set and snapshot the state (the synchronous part; a
-        heap store forks, see :mod:`backends.forked`)."""
+        """Close the active change set, starting a new log segment
+        (:meth:`~dstl.changelog.ChangelogWriter.cut`), and snapshot the state (the
+        synchronous part; see :func:`backends.forked.materialization_snapshot`)."""
         self.flush_log()
-        return materialization_snapshot(self.inner, self.writer.next_sqn())
+        return materialization_snapshot(self.inner, self.writer.cut())
 
     def materialization_done(self, handle: MaterializationHandle) -> None:
         """Later checkpoints reference ``handle`` instead of the log before ``handle.sqn``."""

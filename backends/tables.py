@@ -28,8 +28,9 @@ state (raise the maximum parallelism for states of many millions of keys per sub
 from __future__ import annotations
 
 import array
+import functools
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -39,6 +40,7 @@ import pyarrow.parquet as pq
 
 from backends._heapstate import pack, pack_text
 from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
+from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, serializer_for
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, StateKind, StateMeta
@@ -81,7 +83,10 @@ def schema_for(meta: StateMeta, key_serializer: Serializer) -> pa.Schema:
 
 
 def table_for(
-    meta: StateMeta, key_serializer: Serializer, table: Table, key_groups: range | None = None
+    meta: StateMeta,
+    key_serializer: Serializer,
+    table: Table,
+    key_groups: Iterable[int] | None = None,
 ) -> pa.Table:
     """The Arrow table of one state's raw entries (optionally only some key groups)."""
     groups = sorted(table) if key_groups is None else [kg for kg in key_groups if kg in table]
@@ -187,7 +192,12 @@ def sorted_table(
 ) -> pa.Table:
     """The Arrow table of ``key_groups`` of one state, rows in (key group, key[, user
     key]) order: the same rows give the same bytes whatever the dicts' insertion order."""
-    arrow = table_for(meta, key_serializer, table, key_groups)
+    return sort_rows(meta, table_for(meta, key_serializer, table, key_groups))
+
+
+def sort_rows(meta: StateMeta, arrow: pa.Table) -> pa.Table:
+    """``arrow`` (rows of one state, key groups ascending) in (key group, key[, user
+    key]) order; Arrow's sort, which runs without the GIL."""
     if meta.kind not in MAP_LIKE and _in_key_order(arrow):
         return arrow  # keys inserted in order (sequential ids, a restored table): no sort
     order = [("key_group", "ascending"), ("key", "ascending")]
@@ -226,27 +236,39 @@ def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Sna
     key_ser = snapshot.key_serializer
     for name, meta in sorted(snapshot.metas.items()):
         table = snapshot.tables.get(name, {})
-        keys = sum(len(m) for kg, m in table.items() if kg in rng)
-        if not keys:
-            arrow = table_for(meta, key_ser, {})
-            yield SnapshotFile(
-                f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
-            )
+        counts = {kg: len(m) for kg, m in table.items() if kg in rng and m}
+        rows = functools.partial(sorted_table, meta, key_ser, table)
+        yield from state_pieces(name, meta, key_ser, rng, counts, piece_rows, rows)
+
+
+def state_pieces(
+    name: str,
+    meta: StateMeta,
+    key_serializer: Serializer,
+    rng: KeyGroupRange,
+    counts: dict[int, int],
+    piece_rows: int | None,
+    rows: Callable[[range], pa.Table],
+) -> Iterator[SnapshotFile]:
+    """The pieces of one state: ``counts`` are its keys per non-empty key group,
+    ``rows(key_groups)`` its sorted rows of some key groups (see :func:`sort_rows`)."""
+    keys = sum(counts.values())
+    if not keys:
+        arrow = table_for(meta, key_serializer, {})
+        yield SnapshotFile(
+            f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
+        )
+        return
+    span = piece_span(keys, len(rng), piece_rows)
+    for start in range(rng.start - rng.start % span, rng.end, span):
+        lo, hi = max(start, rng.start), min(start + span, rng.end)
+        if not any(counts.get(kg) for kg in range(lo, hi)):
             continue
-        span = piece_span(keys, len(rng), piece_rows)
-        for start in range(rng.start - rng.start % span, rng.end, span):
-            lo, hi = max(start, rng.start), min(start + span, rng.end)
-            if not any(table.get(kg) for kg in range(lo, hi)):
-                continue
-            arrow = sorted_table(meta, key_ser, table, range(lo, hi))
-            yield SnapshotFile(
-                f"{name}.kg{lo:04x}-{hi:04x}.parquet",
-                name,
-                lo,
-                hi,
-                arrow.num_rows,
-                table_to_parquet(arrow),
-            )
+        arrow = rows(range(lo, hi))
+        yield SnapshotFile(
+            f"{name}.kg{lo:04x}-{hi:04x}.parquet", name, lo, hi, arrow.num_rows,
+            table_to_parquet(arrow),
+        )  # fmt: skip
 
 
 def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Table]]:
@@ -255,8 +277,23 @@ def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Tab
         yield meta, table_for(meta, snapshot.key_serializer, snapshot.tables.get(name, {}))
 
 
+DELTA_COLUMNS = ("key_group", "key", "user_key")
+"""Columns written ``DELTA_BINARY_PACKED`` when they hold integers (key groups always):
+in a piece's (key group, key) order they are runs and ascending integers, which delta
+encoding stores in a few bits each. At 1M uniform int64 keys x 2 value states the
+65536-row pieces took 1.15x the bytes of one dictionary/plain table per state, and
+0.80x with delta-encoded key groups and keys (Parquet CPU fell too). Other columns
+keep dictionary encoding (falling back to plain past :data:`DICTIONARY_PAGE_BYTES`)."""
+
+
 def table_to_parquet(table: pa.Table) -> bytes:
-    """Parquet bytes (zstd, page checksums) of a state table."""
+    """Parquet bytes (zstd, page checksums) of a state table; integer key columns
+    delta-encoded (:data:`DELTA_COLUMNS`)."""
+    delta = {
+        name: "DELTA_BINARY_PACKED"
+        for name in DELTA_COLUMNS
+        if name in table.column_names and pa.types.is_integer(table.schema.field(name).type)
+    }
     sink = io.BytesIO()
     pq.write_table(
         table,
@@ -264,8 +301,20 @@ def table_to_parquet(table: pa.Table) -> bytes:
         compression="zstd",
         write_page_checksum=True,
         dictionary_pagesize_limit=DICTIONARY_PAGE_BYTES,
+        use_dictionary=[p for p in _leaf_paths(table.schema) if p not in delta] if delta else True,
+        column_encoding=delta or None,
     )
     return sink.getvalue()
+
+
+@functools.lru_cache(maxsize=64)
+def _leaf_paths(schema: pa.Schema) -> tuple[str, ...]:
+    """The Parquet leaf column paths of ``schema`` (``value.list.element`` for a list):
+    what ``use_dictionary`` names (an empty table's footer says them)."""
+    sink = io.BytesIO()
+    pq.write_table(schema.empty_table(), sink)
+    parquet_schema = pq.ParquetFile(io.BytesIO(sink.getvalue())).schema
+    return tuple(parquet_schema.column(i).path for i in range(len(parquet_schema)))
 
 
 def parquet_to_table(data: bytes, location: str) -> pa.Table:

@@ -320,6 +320,21 @@ class ChangelogWriter:
             self._active_sqn = self._uploads[-1].sqn_end
         return self._active_sqn
 
+    def cut(self) -> int:
+        """:meth:`next_sqn`, and hand what is buffered to an upload now: the log from the
+        boundary on starts in a new segment.
+
+        For a materialization's snapshot. A checkpoint references whole segments (blocks),
+        so without the cut the segment being filled at the snapshot (up to
+        ``dstl.preemptive-persist-bytes`` of changes from before it) went on being
+        referenced by every checkpoint after the materialization, beside the base that
+        holds those changes already: at 100k keys the materialized state is about the size
+        of one such segment. Blocks only under backpressure, like a pre-emptive upload.
+        """
+        self._check_open()
+        self._submit_buffer()
+        return self._active_sqn
+
     # -- persisting -------------------------------------------------------------------
     def _submit_buffer(self, urgent: bool = False) -> None:
         boundary = self.next_sqn()

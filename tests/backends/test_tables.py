@@ -63,3 +63,34 @@ def test_packed_columns_are_the_serializers_columns() -> None:
         _column(INT64, [{1: 1.5}], values=True)
     with pytest.raises(OverflowError):
         _column(INT64, [{1: 1 << 63}], values=True)
+
+
+def test_integer_key_columns_are_delta_encoded_and_read_back() -> None:
+    """Key groups and integer keys (and user keys) are DELTA_BINARY_PACKED; values,
+    string keys and nested columns keep their dictionaries; every kind reads back."""
+    from backends import ListStateDescriptor, MapStateDescriptor
+
+    backend = HeapKeyedStateBackend(INT64, KeyGroupRange(0, 128), 128)
+    count = backend.get_state(ValueStateDescriptor("count", INT64))
+    seen = backend.get_state(ListStateDescriptor("seen", STR))
+    tags = backend.get_state(MapStateDescriptor("tags", INT64, STR))
+    for i in range(5000):
+        backend.set_current_key(i)
+        count.update(i % 10)
+        seen.add(f"s{i % 4}")
+        tags.put(i % 3, "t")
+    encodings = {}
+    for meta, table in snapshot_tables(backend.snapshot()):
+        data = table_to_parquet(table)
+        assert parquet_to_table(data, "mem").equals(table)
+        rg = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0)
+        for i in range(rg.num_columns):
+            col = rg.column(i)
+            encodings[(meta.name, col.path_in_schema)] = col.encodings
+    delta = {k for k, v in encodings.items() if "DELTA_BINARY_PACKED" in v}
+    assert delta == {
+        (name, col) for name in ("count", "seen", "tags") for col in ("key_group", "key")
+    } | {("tags", "user_key")}
+    dictionary = {k for k, v in encodings.items() if "RLE_DICTIONARY" in v}
+    assert dictionary == {("count", "value"), ("seen", "value.list.element"), ("tags", "value")}
+    backend.close()

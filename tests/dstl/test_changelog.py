@@ -249,6 +249,32 @@ def test_truncate_drops_buffered_changes_below_the_materialization(
     assert _rows(fileio, handles, from_sqn=boundary) == [b"new"]
 
 
+def test_a_cut_starts_a_new_segment_so_a_truncation_leaves_no_older_changes(
+    fileio: FileIO,
+) -> None:
+    """A materialization's boundary: changes from before it go in an upload of their own,
+    so after the truncation no segment a checkpoint references holds any of them."""
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        for i in range(3):
+            w.append(0, "s", 1, b"k", None, b"old%d" % i * 100)  # below the threshold
+        assert st._queue.empty()
+        boundary = w.cut()
+        assert not st._queue.empty()  # handed to an upload at once
+        for i in range(60):  # crosses the threshold: a pre-emptive upload, after the cut
+            w.append(0, "s", 1, b"k", None, bytes([i]) * 100)
+        st.drain_once(block=False)
+        w.truncate(boundary)  # the materialization was applied
+        fut = w.persist(boundary, 1)
+        st.drain_once(block=False)
+        handles = fut.result(timeout=10)
+        assert [h.sqn_start >= boundary for h in handles] == [True] * len(handles)
+        assert sum(h.rows for h in handles) == 60
+        assert _rows(fileio, handles) == [bytes([i]) * 100 for i in range(60)]
+        assert w.cut() == w.next_sqn()  # nothing appended since: the same boundary
+
+
 def test_read_changes_keeps_each_run_from_its_own_sqn(
     fileio: FileIO, storage: ChangelogStorage
 ) -> None:

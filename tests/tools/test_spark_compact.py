@@ -165,7 +165,15 @@ def test_losing_a_race_with_a_materialization_registers_and_leaves_nothing(
 ) -> None:
     root = tmp_path / "store"
     config = DemoConfig(events_per_source=30000, users=100, rate_per_source=3000.0)
-    options = _options(str(root), materialization="online", materialization_interval_s=0.1)
+    # Every checkpoint retained: the source must stay readable while it is compacted (with
+    # retain=1 its log segments go as soon as a materialization covers them, and the
+    # compaction loses earlier, reading them, not at its registration tested here).
+    options = _options(
+        str(root),
+        checkpoint=CheckpointOptions(interval_s=0.05, retain=1000),
+        materialization="online",
+        materialization_interval_s=0.1,
+    )
     with Running(config, options, tmp_path / "out") as job:
         source = job.wait_for(lambda cp: any(h.changelog for h in _keyed(cp)))
         reach = {h.backend_id: h.coverage().get(h.backend_id, 0) for h in _keyed(source)}

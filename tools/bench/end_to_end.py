@@ -337,13 +337,14 @@ def _checkpoint_facts(store: str) -> dict[str, Any]:
 
 def _live_bytes(store: str, handles: list[Any]) -> int:
     """The live state as one compact zstd Parquet table per state."""
-    from backends.tables import table_for, table_to_parquet
+    from backends.tables import table_for
     from dstl.fileio import FileIO
+    from tools.bench.harness import live_parquet_bytes
     from tools.restore import restore_operator
 
     snapshot = restore_operator(FileIO(store), tuple(handles))
     return sum(
-        len(table_to_parquet(table_for(meta, snapshot.key_serializer, snapshot.tables.get(n, {}))))
+        live_parquet_bytes(table_for(meta, snapshot.key_serializer, snapshot.tables.get(n, {})))
         for n, meta in sorted(snapshot.metas.items())
     )
 

@@ -59,9 +59,10 @@ from backends import (
 )
 from backends.rocksdb import RocksDBKeyedStateBackend, db_options
 from backends.serializers import INT64, STR
-from backends.tables import table_for, table_to_parquet
+from backends.tables import table_for
 from dstl import ChangelogStorage, FileIO
 from materializer import Materializer
+from tools.bench.harness import live_parquet_bytes
 
 COLUMNS: list[str] = [
     "store",
@@ -101,7 +102,7 @@ def _live_bytes(inner: Any) -> int:
         table: dict[int, dict[Any, Any]] = {}
         for kg, key, value in inner.entries(name):
             table.setdefault(kg, {})[key] = value
-        total += len(table_to_parquet(table_for(meta, inner.key_serializer, table)))
+        total += live_parquet_bytes(table_for(meta, inner.key_serializer, table))
     return total
 
 
