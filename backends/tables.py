@@ -30,7 +30,7 @@ from __future__ import annotations
 import array
 import functools
 import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -40,7 +40,6 @@ import pyarrow.parquet as pq
 
 from backends._heapstate import pack, pack_text
 from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
-from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, serializer_for
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, StateKind, StateMeta
@@ -83,10 +82,7 @@ def schema_for(meta: StateMeta, key_serializer: Serializer) -> pa.Schema:
 
 
 def table_for(
-    meta: StateMeta,
-    key_serializer: Serializer,
-    table: Table,
-    key_groups: Iterable[int] | None = None,
+    meta: StateMeta, key_serializer: Serializer, table: Table, key_groups: range | None = None
 ) -> pa.Table:
     """The Arrow table of one state's raw entries (optionally only some key groups)."""
     groups = sorted(table) if key_groups is None else [kg for kg in key_groups if kg in table]
@@ -192,12 +188,7 @@ def sorted_table(
 ) -> pa.Table:
     """The Arrow table of ``key_groups`` of one state, rows in (key group, key[, user
     key]) order: the same rows give the same bytes whatever the dicts' insertion order."""
-    return sort_rows(meta, table_for(meta, key_serializer, table, key_groups))
-
-
-def sort_rows(meta: StateMeta, arrow: pa.Table) -> pa.Table:
-    """``arrow`` (rows of one state, key groups ascending) in (key group, key[, user
-    key]) order; Arrow's sort, which runs without the GIL."""
+    arrow = table_for(meta, key_serializer, table, key_groups)
     if meta.kind not in MAP_LIKE and _in_key_order(arrow):
         return arrow  # keys inserted in order (sequential ids, a restored table): no sort
     order = [("key_group", "ascending"), ("key", "ascending")]
@@ -236,39 +227,27 @@ def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Sna
     key_ser = snapshot.key_serializer
     for name, meta in sorted(snapshot.metas.items()):
         table = snapshot.tables.get(name, {})
-        counts = {kg: len(m) for kg, m in table.items() if kg in rng and m}
-        rows = functools.partial(sorted_table, meta, key_ser, table)
-        yield from state_pieces(name, meta, key_ser, rng, counts, piece_rows, rows)
-
-
-def state_pieces(
-    name: str,
-    meta: StateMeta,
-    key_serializer: Serializer,
-    rng: KeyGroupRange,
-    counts: dict[int, int],
-    piece_rows: int | None,
-    rows: Callable[[range], pa.Table],
-) -> Iterator[SnapshotFile]:
-    """The pieces of one state: ``counts`` are its keys per non-empty key group,
-    ``rows(key_groups)`` its sorted rows of some key groups (see :func:`sort_rows`)."""
-    keys = sum(counts.values())
-    if not keys:
-        arrow = table_for(meta, key_serializer, {})
-        yield SnapshotFile(
-            f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
-        )
-        return
-    span = piece_span(keys, len(rng), piece_rows)
-    for start in range(rng.start - rng.start % span, rng.end, span):
-        lo, hi = max(start, rng.start), min(start + span, rng.end)
-        if not any(counts.get(kg) for kg in range(lo, hi)):
+        keys = sum(len(m) for kg, m in table.items() if kg in rng)
+        if not keys:
+            arrow = table_for(meta, key_ser, {})
+            yield SnapshotFile(
+                f"{name}.empty.parquet", name, rng.start, rng.end, 0, table_to_parquet(arrow)
+            )
             continue
-        arrow = rows(range(lo, hi))
-        yield SnapshotFile(
-            f"{name}.kg{lo:04x}-{hi:04x}.parquet", name, lo, hi, arrow.num_rows,
-            table_to_parquet(arrow),
-        )  # fmt: skip
+        span = piece_span(keys, len(rng), piece_rows)
+        for start in range(rng.start - rng.start % span, rng.end, span):
+            lo, hi = max(start, rng.start), min(start + span, rng.end)
+            if not any(table.get(kg) for kg in range(lo, hi)):
+                continue
+            arrow = sorted_table(meta, key_ser, table, range(lo, hi))
+            yield SnapshotFile(
+                f"{name}.kg{lo:04x}-{hi:04x}.parquet",
+                name,
+                lo,
+                hi,
+                arrow.num_rows,
+                table_to_parquet(arrow),
+            )
 
 
 def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Table]]:
