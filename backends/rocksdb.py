@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import rocksdict
@@ -218,25 +217,13 @@ def decode_state_rows(
 
 
 def _ascending(rows: pa.Array) -> bool:
-    """Whether binary ``rows`` are strictly ascending, bytewise; checked in numpy for
-    rows of one width that is a multiple of 8 (big-endian words compared in turn), else
-    False (sort them)."""
+    """Whether binary ``rows`` are strictly ascending, bytewise (Arrow compares binary
+    as unsigned bytes, as RocksDB's default comparator does); vectorized."""
     n = len(rows)
-    if n < 2 or rows.null_count:
-        return n < 2
-    offsets = np.frombuffer(rows.buffers()[1], np.int32, n + 1, rows.offset * 4)
-    width = int(offsets[1] - offsets[0])
-    if width % 8 or not width or int(offsets[-1] - offsets[0]) != width * n:
-        return False
-    words = np.frombuffer(rows.buffers()[2], ">u8", n * width // 8, int(offsets[0]))
-    words = words.reshape(n, width // 8)
-    undecided = np.ones(n - 1, bool)  # equal so far
-    for w in range(width // 8):
-        col = words[:, w]
-        if np.any(undecided & (col[1:] < col[:-1])):
-            return False
-        undecided &= col[1:] == col[:-1]
-    return not undecided.any()
+    if n < 2:
+        return True
+    rising = pc.greater(rows.slice(1), rows.slice(0, n - 1))
+    return bool(pc.all(rising, skip_nulls=False).as_py())
 
 
 class _RocksValueState:
