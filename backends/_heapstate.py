@@ -11,7 +11,16 @@ from dstl import _records
 from dstl.native import load
 
 if TYPE_CHECKING:
-    from backends._heapstate_py import HeapList, HeapMap, HeapValue, KeyContext, pack, pack_text
+    from backends._heapstate_py import (
+        ColumnStore,
+        ColumnWriter,
+        HeapList,
+        HeapMap,
+        HeapValue,
+        KeyContext,
+        pack,
+        pack_text,
+    )
 
     NATIVE: bool
 else:
@@ -20,8 +29,20 @@ else:
     HeapValue = _impl.HeapValue
     HeapList = _impl.HeapList
     HeapMap = _impl.HeapMap
+    ColumnStore = _impl.ColumnStore
+    ColumnWriter = _impl.ColumnWriter
     pack = _impl.pack
     pack_text = _impl.pack_text
     NATIVE = _impl.__name__ == "backends._heapstate_c"
 
-__all__ = ["NATIVE", "HeapList", "HeapMap", "HeapValue", "KeyContext", "pack", "pack_text"]
+__all__ = [
+    "NATIVE",
+    "ColumnStore",
+    "ColumnWriter",
+    "HeapList",
+    "HeapMap",
+    "HeapValue",
+    "KeyContext",
+    "pack",
+    "pack_text",
+]

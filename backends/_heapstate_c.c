@@ -25,6 +25,8 @@
  *     value frames every element (dstl._records_c append_typed_list). The objects are
  *     read-only from Python (``_backend``, ``_table``) and meant as bases for the Python
  *     state classes.
+ * ColumnStore(backend, kind), ColumnWriter(store, records, op, flush)
+ *     A plain int64 / float64 value state kept columnar (see the section below).
  * pack(dicts, values, kind), pack_text(dicts, values, kind)
  *     The keys (or values) of the dicts, packed as native int64 ("q") or float64 ("d")
  *     exactly as array.array packs them, or as an Arrow string/binary column's offsets
@@ -494,6 +496,803 @@ HEAP_STATE_TYPE(HeapListType, "HeapList", hl_methods,
 HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
                 "The heap store's map-state put (see the module source).");
 
+/* -- columnar value states ------------------------------------------------------------- */
+
+/* ColumnStore(backend, kind): the entries of one value state whose values are fixed-width
+ * (kind "q": int64, "d": float64), stored columnar: ``slots`` maps a key to its slot
+ * (changed only when a key is added or cleared), the values sit in one C array. An
+ * update writes 8 bytes of that array and no Python object: after a fork the task thread
+ * copies a few thousand pages at most, and a snapshot copies the array (memcpy) instead of
+ * walking scattered objects. A cleared key's slot is reused by the next new key
+ * (``deletes`` counts the clears, so a snapshot knows when keys moved).
+ *
+ * get(default), update(value), clear(): the current key's (backend's KeyContext) value.
+ * export(since_used, since_deletes): (used, deletes, live, kgs, vals, keys, full): the key
+ * groups (int32, -1 for a free slot) and values (8 bytes each) of slots [0, used) as
+ * bytes, and the keys of slots [since_used, used) (all of them, full true, if a key was
+ * cleared since ``since_deletes``).
+ * load(kg, keys, values): bulk set (restore). entries(): (kgs, keys, values) lists of the
+ * live slots in slot order. len(): live keys.
+ * ColumnWriter(store, records, op, flush).update(value): the write that first appends a
+ * change record (as HeapValue's). Task thread only. */
+
+typedef struct {
+    PyObject_HEAD
+    KeyContext *backend;
+    PyObject *slots; /* dict: key -> slot; NULL while every key is an exact int64 */
+    int64_t *hkeys;  /* ... and then this open-addressing index holds them instead */
+    Py_ssize_t *hslots; /* -1: empty */
+    Py_ssize_t hcap;    /* a power of two, or 0 */
+    PyObject *keys;  /* list: slot -> key (None: free) */
+    int32_t *kgs;
+    int64_t *vals;
+    Py_ssize_t used, cap, live;
+    Py_ssize_t *free_slots;
+    Py_ssize_t nfree, free_cap;
+    unsigned long long deletes; /* clears and reuses of a free slot */
+    int as_float;
+} ColumnStore;
+
+static PyTypeObject ColumnStoreType;
+
+static int
+cs_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"backend", "kind", NULL};
+    ColumnStore *self = (ColumnStore *)op;
+    PyObject *backend;
+    const char *kind;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!s", kwlist, &KeyContextType, &backend,
+                                     &kind)) {
+        return -1;
+    }
+    if (self->backend != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a column store is initialized once");
+        return -1;
+    }
+    if (strcmp(kind, "q") != 0 && strcmp(kind, "d") != 0) {
+        PyErr_SetString(PyExc_ValueError, "ColumnStore: kind must be 'q' or 'd'");
+        return -1;
+    }
+    self->keys = PyList_New(0);
+    if (self->keys == NULL) {
+        return -1;
+    }
+    self->as_float = kind[0] == 'd';
+    self->backend = (KeyContext *)Py_NewRef(backend);
+    return 0;
+}
+
+static int
+cs_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    ColumnStore *self = (ColumnStore *)op;
+    Py_VISIT(self->backend);
+    Py_VISIT(self->slots);
+    Py_VISIT(self->keys);
+    return 0;
+}
+
+static int
+cs_clear_refs(PyObject *op)
+{
+    ColumnStore *self = (ColumnStore *)op;
+    Py_CLEAR(self->backend);
+    Py_CLEAR(self->slots);
+    Py_CLEAR(self->keys);
+    return 0;
+}
+
+static void
+cs_dealloc(PyObject *op)
+{
+    ColumnStore *self = (ColumnStore *)op;
+    PyObject_GC_UnTrack(op);
+    cs_clear_refs(op);
+    PyMem_Free(self->kgs);
+    PyMem_Free(self->vals);
+    PyMem_Free(self->free_slots);
+    PyMem_Free(self->hkeys);
+    PyMem_Free(self->hslots);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static int
+cs_ready(ColumnStore *s)
+{
+    if (s->backend == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "column store used before __init__");
+        return -1;
+    }
+    return 0;
+}
+
+/* ``value`` as the 8 bytes stored (refusals as array.array's "q"/"d"). */
+static int
+cs_convert(ColumnStore *s, PyObject *value, int64_t *out)
+{
+    if (s->as_float) {
+        double d = PyFloat_AsDouble(value);
+        if (d == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+        memcpy(out, &d, sizeof d);
+        return 0;
+    }
+    if (PyFloat_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "an int64 state's value must be an integer");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+static PyObject *
+cs_box(ColumnStore *s, Py_ssize_t i)
+{
+    if (s->as_float) {
+        double d;
+        memcpy(&d, &s->vals[i], sizeof d);
+        return PyFloat_FromDouble(d);
+    }
+    return PyLong_FromLongLong(s->vals[i]);
+}
+
+static int
+cs_grow(ColumnStore *s)
+{
+    if (s->used < s->cap) {
+        return 0;
+    }
+    Py_ssize_t cap = s->cap ? s->cap * 2 : 1024;
+    int32_t *kgs = PyMem_Realloc(s->kgs, (size_t)cap * sizeof *kgs);
+    if (kgs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->kgs = kgs;
+    int64_t *vals = PyMem_Realloc(s->vals, (size_t)cap * sizeof *vals);
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->vals = vals;
+    s->cap = cap;
+    return 0;
+}
+
+/* The slot of ``key`` (added in key group ``group`` if new), or -1 with an exception. */
+static Py_ssize_t cs_lookup(ColumnStore *s, PyObject *key);
+static int cs_index_add(ColumnStore *s, PyObject *key, Py_ssize_t i);
+static int cs_index_del(ColumnStore *s, PyObject *key);
+
+static Py_ssize_t
+cs_slot(ColumnStore *s, PyObject *key, PyObject *group)
+{
+    Py_ssize_t found = cs_lookup(s, key);
+    if (found != -1) {
+        return found < 0 ? -1 : found;
+    }
+    long kg = PyLong_AsLong(group);
+    if (kg == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (kg < 0 || kg > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "key group %ld out of range", kg);
+        return -1;
+    }
+    int reuse = s->nfree > 0;
+    if (!reuse && cs_grow(s) < 0) {
+        return -1;
+    }
+    Py_ssize_t i = reuse ? s->free_slots[s->nfree - 1] : s->used;
+    if (cs_index_add(s, key, i) < 0) {
+        return -1;
+    }
+    if (reuse) {
+        if (PyList_SetItem(s->keys, i, Py_NewRef(key)) < 0) {
+            return -1;
+        }
+        s->nfree--;
+        s->deletes++; /* a key below ``used`` changed: the next export hands out all */
+    }
+    else {
+        if (PyList_Append(s->keys, key) < 0) {
+            cs_index_del(s, key);
+            return -1;
+        }
+        s->used++;
+    }
+    s->kgs[i] = (int32_t)kg;
+    s->live++;
+    return i;
+}
+
+/* The key index. While every key is an exact int that fits int64 it is an open-addressing
+ * table of int64 keys (linear probing, at most half full): a lookup reads only that table,
+ * and writes nothing. (A dict lookup of an int key that is equal but not identical to the
+ * stored one takes a reference to the stored key during the comparison: a write to a
+ * random page per record, which after a fork is a copy-on-write fault.) The first other
+ * key (a str, a float, a bool, a big int) moves every key into the dict ``slots``. */
+
+static inline uint64_t
+cs_hash(int64_t k)
+{
+    uint64_t z = (uint64_t)k + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* The int64 of an exact int key; 0 if ``key`` is not one (no exception). */
+static inline int
+cs_int_key(PyObject *key, int64_t *out)
+{
+    if (!PyLong_CheckExact(key)) {
+        return 0;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(key, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (int64_t)v;
+    return 1;
+}
+
+static Py_ssize_t
+ht_find(ColumnStore *s, int64_t k)
+{
+    if (s->hcap == 0) {
+        return -1;
+    }
+    size_t mask = (size_t)s->hcap - 1, j = (size_t)cs_hash(k) & mask;
+    while (s->hslots[j] >= 0) {
+        if (s->hkeys[j] == k) {
+            return s->hslots[j];
+        }
+        j = (j + 1) & mask;
+    }
+    return -1;
+}
+
+static void
+ht_put(int64_t *hkeys, Py_ssize_t *hslots, Py_ssize_t hcap, int64_t k, Py_ssize_t slot)
+{
+    size_t mask = (size_t)hcap - 1, j = (size_t)cs_hash(k) & mask;
+    while (hslots[j] >= 0) {
+        j = (j + 1) & mask;
+    }
+    hkeys[j] = k;
+    hslots[j] = slot;
+}
+
+static int
+ht_resize(ColumnStore *s, Py_ssize_t cap)
+{
+    int64_t *hkeys = PyMem_Malloc((size_t)cap * sizeof *hkeys);
+    Py_ssize_t *hslots = PyMem_Malloc((size_t)cap * sizeof *hslots);
+    if (hkeys == NULL || hslots == NULL) {
+        PyMem_Free(hkeys);
+        PyMem_Free(hslots);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < cap; j++) {
+        hslots[j] = -1;
+    }
+    for (Py_ssize_t j = 0; j < s->hcap; j++) {
+        if (s->hslots[j] >= 0) {
+            ht_put(hkeys, hslots, cap, s->hkeys[j], s->hslots[j]);
+        }
+    }
+    PyMem_Free(s->hkeys);
+    PyMem_Free(s->hslots);
+    s->hkeys = hkeys;
+    s->hslots = hslots;
+    s->hcap = cap;
+    return 0;
+}
+
+static void
+ht_del(ColumnStore *s, int64_t k)
+{
+    size_t mask = (size_t)s->hcap - 1, j = (size_t)cs_hash(k) & mask;
+    while (s->hslots[j] >= 0 && s->hkeys[j] != k) {
+        j = (j + 1) & mask;
+    }
+    if (s->hslots[j] < 0) {
+        return;
+    }
+    /* backward-shift deletion: no tombstones */
+    size_t hole = j;
+    for (size_t i = (j + 1) & mask; s->hslots[i] >= 0; i = (i + 1) & mask) {
+        size_t home = (size_t)cs_hash(s->hkeys[i]) & mask;
+        if (((i - home) & mask) >= ((i - hole) & mask)) {
+            s->hkeys[hole] = s->hkeys[i];
+            s->hslots[hole] = s->hslots[i];
+            hole = i;
+        }
+    }
+    s->hslots[hole] = -1;
+}
+
+/* Move every key into the dict (the first key the int64 index cannot hold). */
+static int
+cs_to_dict(ColumnStore *s)
+{
+    PyObject *slots = PyDict_New();
+    if (slots == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < s->used; i++) {
+        PyObject *key = PyList_GET_ITEM(s->keys, i);
+        if (s->kgs[i] < 0) {
+            continue;
+        }
+        PyObject *slot = PyLong_FromSsize_t(i);
+        if (slot == NULL || PyDict_SetItem(slots, key, slot) < 0) {
+            Py_XDECREF(slot);
+            Py_DECREF(slots);
+            return -1;
+        }
+        Py_DECREF(slot);
+    }
+    s->slots = slots;
+    PyMem_Free(s->hkeys);
+    PyMem_Free(s->hslots);
+    s->hkeys = NULL;
+    s->hslots = NULL;
+    s->hcap = 0;
+    return 0;
+}
+
+/* The slot of ``key``: >= 0, -1 if absent, -2 with an exception set. */
+static Py_ssize_t
+cs_lookup(ColumnStore *s, PyObject *key)
+{
+    if (s->slots == NULL) {
+        int64_t k;
+        if (cs_int_key(key, &k)) {
+            return ht_find(s, k);
+        }
+        if (s->live == 0) {
+            return -1; /* nothing to compare with: stay on the int index for now */
+        }
+        if (cs_to_dict(s) < 0) {
+            return -2;
+        }
+    }
+    PyObject *found = PyDict_GetItemWithError(s->slots, key);
+    if (found != NULL) {
+        return PyLong_AsSsize_t(found);
+    }
+    return PyErr_Occurred() ? -2 : -1;
+}
+
+static int
+cs_index_add(ColumnStore *s, PyObject *key, Py_ssize_t i)
+{
+    if (s->slots == NULL) {
+        int64_t k;
+        if (cs_int_key(key, &k)) {
+            if ((s->live + 1) * 2 > s->hcap && ht_resize(s, s->hcap ? s->hcap * 2 : 1024) < 0) {
+                return -1;
+            }
+            ht_put(s->hkeys, s->hslots, s->hcap, k, i);
+            return 0;
+        }
+        if (cs_to_dict(s) < 0) {
+            return -1;
+        }
+    }
+    PyObject *slot = PyLong_FromSsize_t(i);
+    if (slot == NULL) {
+        return -1;
+    }
+    int r = PyDict_SetItem(s->slots, key, slot);
+    Py_DECREF(slot);
+    return r;
+}
+
+static int
+cs_index_del(ColumnStore *s, PyObject *key)
+{
+    if (s->slots == NULL) {
+        int64_t k;
+        if (cs_int_key(key, &k)) {
+            ht_del(s, k);
+        }
+        return 0;
+    }
+    return PyDict_DelItem(s->slots, key);
+}
+
+static PyObject *
+cs_get(PyObject *op, PyObject *dflt)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    PyObject *key = member(s->backend->current_key, "current_key");
+    if (key == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = cs_lookup(s, key);
+    Py_DECREF(key);
+    if (i < 0) {
+        return i == -1 ? Py_NewRef(dflt) : NULL;
+    }
+    return cs_box(s, i);
+}
+
+/* Set the current key's value; with ``records``, log it first (see HeapValue). */
+static PyObject *
+cs_write(ColumnStore *s, PyObject *records, PyObject *opcode, PyObject *flush, PyObject *value)
+{
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    Current cur = {NULL, NULL, NULL};
+    KeyContext *b = s->backend;
+    if ((cur.group = member(b->current_key_group, "current_key_group")) == NULL ||
+        (cur.key = member(b->current_key, "current_key")) == NULL ||
+        (cur.key_bytes = member(b->current_key_bytes, "current_key_bytes")) == NULL) {
+        current_release(&cur);
+        return NULL;
+    }
+    Py_INCREF(s);
+    Py_INCREF(value);
+    PyObject *result = NULL;
+    int64_t bits;
+    int full = 0;
+    if (cs_convert(s, value, &bits) < 0) {
+        goto done;
+    }
+    if (records != NULL) {
+        if (!hashable(cur.group) || !hashable(cur.key)) {
+            goto done;
+        }
+        PyObject *args[5] = {opcode, cur.key_bytes, cur.group, Py_None, value};
+        full = records_api->append_typed(records, args);
+        if (full < 0) {
+            goto done;
+        }
+    }
+    Py_ssize_t i = cs_slot(s, cur.key, cur.group);
+    if (i < 0) {
+        goto done;
+    }
+    s->vals[i] = bits;
+    if (full) {
+        PyObject *r = PyObject_CallNoArgs(flush);
+        if (r == NULL) {
+            goto done;
+        }
+        Py_DECREF(r);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(value);
+    Py_DECREF(s);
+    current_release(&cur);
+    return result;
+}
+
+static PyObject *
+cs_update(PyObject *op, PyObject *value)
+{
+    return cs_write((ColumnStore *)op, NULL, NULL, NULL, value);
+}
+
+static PyObject *
+cs_clear(PyObject *op, PyObject *unused)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    PyObject *key = member(s->backend->current_key, "current_key");
+    if (key == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = cs_lookup(s, key);
+    if (i < 0) {
+        Py_DECREF(key);
+        if (i == -2) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    if (s->nfree == s->free_cap) {
+        Py_ssize_t cap = s->free_cap ? s->free_cap * 2 : 256;
+        Py_ssize_t *fs = PyMem_Realloc(s->free_slots, (size_t)cap * sizeof *fs);
+        if (fs == NULL) {
+            Py_DECREF(key);
+            return PyErr_NoMemory();
+        }
+        s->free_slots = fs;
+        s->free_cap = cap;
+    }
+    int r = cs_index_del(s, key);
+    Py_DECREF(key);
+    if (r < 0 || PyList_SetItem(s->keys, i, Py_NewRef(Py_None)) < 0) {
+        return NULL;
+    }
+    s->kgs[i] = -1;
+    s->free_slots[s->nfree++] = i;
+    s->live--;
+    s->deletes++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+cs_export(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    Py_ssize_t since_used;
+    unsigned long long since_deletes;
+    if (nargs != 2 || (since_used = PyLong_AsSsize_t(args[0])) == -1 ||
+        ((since_deletes = PyLong_AsUnsignedLongLong(args[1])) == (unsigned long long)-1 &&
+         PyErr_Occurred())) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "export(since_used, since_deletes)");
+        }
+        return NULL;
+    }
+    int full = since_deletes != s->deletes || since_used > s->used || since_used < 0;
+    PyObject *keys = PyList_GetSlice(s->keys, full ? 0 : since_used, s->used);
+    PyObject *kgs = PyBytes_FromStringAndSize((const char *)s->kgs, s->used * 4);
+    PyObject *vals = PyBytes_FromStringAndSize((const char *)s->vals, s->used * 8);
+    PyObject *r = NULL;
+    if (keys != NULL && kgs != NULL && vals != NULL) {
+        r = Py_BuildValue("nKnOOOO", s->used, s->deletes, s->live, kgs, vals, keys,
+                          full ? Py_True : Py_False);
+    }
+    Py_XDECREF(keys);
+    Py_XDECREF(kgs);
+    Py_XDECREF(vals);
+    return r;
+}
+
+static PyObject *
+cs_load(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "load(kg, keys, values) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[1], "load: keys must be a sequence");
+    PyObject *values = keys ? PySequence_Fast(args[2], "load: values must be a sequence") : NULL;
+    PyObject *result = NULL;
+    if (values == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(values) != n) {
+        PyErr_SetString(PyExc_ValueError, "load: keys and values differ in length");
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t bits;
+        if (cs_convert(s, PySequence_Fast_GET_ITEM(values, j), &bits) < 0) {
+            goto done;
+        }
+        Py_ssize_t i = cs_slot(s, PySequence_Fast_GET_ITEM(keys, j), args[0]);
+        if (i < 0) {
+            goto done;
+        }
+        s->vals[i] = bits;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(values);
+    return result;
+}
+
+static PyObject *
+cs_entries(PyObject *op, PyObject *unused)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    PyObject *kgs = PyList_New(0), *keys = PyList_New(0), *vals = PyList_New(0), *r = NULL;
+    if (kgs == NULL || keys == NULL || vals == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < s->used; i++) {
+        if (s->kgs[i] < 0) {
+            continue;
+        }
+        PyObject *kg = PyLong_FromLong(s->kgs[i]);
+        PyObject *v = cs_box(s, i);
+        int bad = kg == NULL || v == NULL || PyList_Append(kgs, kg) < 0 ||
+                  PyList_Append(keys, PyList_GET_ITEM(s->keys, i)) < 0 ||
+                  PyList_Append(vals, v) < 0;
+        Py_XDECREF(kg);
+        Py_XDECREF(v);
+        if (bad) {
+            goto done;
+        }
+    }
+    r = PyTuple_Pack(3, kgs, keys, vals);
+done:
+    Py_XDECREF(kgs);
+    Py_XDECREF(keys);
+    Py_XDECREF(vals);
+    return r;
+}
+
+static Py_ssize_t
+cs_len(PyObject *op)
+{
+    return ((ColumnStore *)op)->live;
+}
+
+static PyObject *
+cs_get_deletes(PyObject *op, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(((ColumnStore *)op)->deletes);
+}
+
+static PyObject *
+cs_get_used(PyObject *op, void *closure)
+{
+    return PyLong_FromSsize_t(((ColumnStore *)op)->used);
+}
+
+static PyGetSetDef cs_getset[] = {
+    {"deletes", cs_get_deletes, NULL, "how many keys were cleared so far", NULL},
+    {"used", cs_get_used, NULL, "slots in use or free (the columns' length)", NULL},
+    {NULL},
+};
+
+static PyMethodDef cs_methods[] = {
+    {"get", cs_get, METH_O, "get(default): the current key's value, or default"},
+    {"update", cs_update, METH_O, "update(value): set the current key's value"},
+    {"clear", cs_clear, METH_NOARGS, "clear(): remove the current key's value"},
+    {"export", (PyCFunction)(void (*)(void))cs_export, METH_FASTCALL,
+     "export(since_used, since_deletes): the columns (see the module source)"},
+    {"load", (PyCFunction)(void (*)(void))cs_load, METH_FASTCALL,
+     "load(kg, keys, values): set many keys of one key group"},
+    {"entries", cs_entries, METH_NOARGS, "entries(): (kgs, keys, values) of the live keys"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods cs_as_sequence = {.sq_length = cs_len};
+
+static PyTypeObject ColumnStoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate_c.ColumnStore",
+    .tp_basicsize = sizeof(ColumnStore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A value state's entries stored columnar (see the module source).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = cs_init,
+    .tp_traverse = cs_traverse,
+    .tp_clear = cs_clear_refs,
+    .tp_dealloc = cs_dealloc,
+    .tp_methods = cs_methods,
+    .tp_getset = cs_getset,
+    .tp_as_sequence = &cs_as_sequence,
+};
+
+typedef struct {
+    PyObject_HEAD
+    ColumnStore *store;
+    PyObject *records;
+    PyObject *op;
+    PyObject *flush;
+} ColumnWriter;
+
+static int
+cw_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"store", "records", "op", "flush", NULL};
+    ColumnWriter *self = (ColumnWriter *)op;
+    PyObject *store, *records, *opcode, *flush;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OOO", kwlist, &ColumnStoreType, &store,
+                                     &records, &opcode, &flush)) {
+        return -1;
+    }
+    if (self->store != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a column writer is initialized once");
+        return -1;
+    }
+    if (!PyObject_TypeCheck(records, records_api->type)) {
+        PyErr_SetString(PyExc_TypeError, "records must be a dstl._records.RecordColumns");
+        return -1;
+    }
+    if (!PyLong_Check(opcode) || !PyCallable_Check(flush)) {
+        PyErr_SetString(PyExc_TypeError, "a column writer needs an int op and flush()");
+        return -1;
+    }
+    self->store = (ColumnStore *)Py_NewRef(store);
+    self->records = Py_NewRef(records);
+    self->op = Py_NewRef(opcode);
+    self->flush = Py_NewRef(flush);
+    return 0;
+}
+
+static int
+cw_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    ColumnWriter *self = (ColumnWriter *)op;
+    Py_VISIT(self->store);
+    Py_VISIT(self->records);
+    Py_VISIT(self->op);
+    Py_VISIT(self->flush);
+    return 0;
+}
+
+static int
+cw_clear(PyObject *op)
+{
+    ColumnWriter *self = (ColumnWriter *)op;
+    Py_CLEAR(self->store);
+    Py_CLEAR(self->records);
+    Py_CLEAR(self->op);
+    Py_CLEAR(self->flush);
+    return 0;
+}
+
+static void
+cw_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    cw_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+static PyObject *
+cw_update(PyObject *op, PyObject *value)
+{
+    ColumnWriter *self = (ColumnWriter *)op;
+    if (self->store == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "column writer used before __init__");
+        return NULL;
+    }
+    PyObject *records = Py_NewRef(self->records), *opcode = Py_NewRef(self->op);
+    PyObject *flush = Py_NewRef(self->flush);
+    PyObject *r = cs_write(self->store, records, opcode, flush, value);
+    Py_DECREF(records);
+    Py_DECREF(opcode);
+    Py_DECREF(flush);
+    return r;
+}
+
+static PyMethodDef cw_methods[] = {
+    {"update", cw_update, METH_O, "update(value): log and set the current key's value"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ColumnWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "backends._heapstate_c.ColumnWriter",
+    .tp_basicsize = sizeof(ColumnWriter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The logged write of a ColumnStore (see the module source).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = cw_init,
+    .tp_traverse = cw_traverse,
+    .tp_clear = cw_clear,
+    .tp_dealloc = cw_dealloc,
+    .tp_methods = cw_methods,
+};
+
 /* -- packing columns for materialization ------------------------------------------------ */
 
 /* One key or value as the array module's "q" (int64) or "d" (float64) packs it. Exact
@@ -847,7 +1646,8 @@ PyInit__heapstate_c(void)
     if (records_api == NULL) {
         return NULL;
     }
-    PyTypeObject *types[] = {&KeyContextType, &HeapValueType, &HeapListType, &HeapMapType};
+    PyTypeObject *types[] = {&KeyContextType, &HeapValueType, &HeapListType, &HeapMapType,
+                             &ColumnStoreType, &ColumnWriterType};
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
         if (PyType_Ready(types[i]) < 0) {
             return NULL;
@@ -860,7 +1660,9 @@ PyInit__heapstate_c(void)
     if (PyModule_AddObjectRef(m, "KeyContext", (PyObject *)&KeyContextType) < 0 ||
         PyModule_AddObjectRef(m, "HeapValue", (PyObject *)&HeapValueType) < 0 ||
         PyModule_AddObjectRef(m, "HeapList", (PyObject *)&HeapListType) < 0 ||
-        PyModule_AddObjectRef(m, "HeapMap", (PyObject *)&HeapMapType) < 0) {
+        PyModule_AddObjectRef(m, "HeapMap", (PyObject *)&HeapMapType) < 0 ||
+        PyModule_AddObjectRef(m, "ColumnStore", (PyObject *)&ColumnStoreType) < 0 ||
+        PyModule_AddObjectRef(m, "ColumnWriter", (PyObject *)&ColumnWriterType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

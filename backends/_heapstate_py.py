@@ -15,6 +15,9 @@
     ``replace(items)`` makes the list ``items`` (stored as it is) the current key's
     list, logged as one record framing every element. ``_backend`` and ``_table`` are
     read-only; a second ``__init__`` raises RuntimeError and changes nothing.
+``ColumnStore(backend, kind)``, ``ColumnWriter(store, records, op, flush)``
+    A plain value state of int64 (``"q"``) or float64 (``"d"``) values kept columnar
+    (documented at the ColumnStore section of ``backends/_heapstate_c.c``).
 ``pack_text(dicts, values, kind)``
     The keys or values of ``dicts`` as an Arrow string (``kind`` ``"s"``, exact ``str``
     items) or binary (``"b"``, exact ``bytes``) column: ``(offsets, data)``, the int32
@@ -223,3 +226,145 @@ def pack_text(
         chunks.append(chunk)
         offsets.append(total)
     return offsets.tobytes(), b"".join(chunks)
+
+
+class ColumnStore:
+    """A value state's entries stored columnar (see ``backends/_heapstate_c.c``): keys to
+    slots in a dict, key groups and 8-byte values in arrays. Task thread only."""
+
+    __slots__ = ("_backend", "_free", "_keys", "_kgs", "_slots", "_vals", "deletes", "live")
+
+    def __init__(self, backend: KeyContext, kind: str) -> None:
+        if not isinstance(backend, KeyContext):
+            raise TypeError(f"backend must be a KeyContext, not {type(backend).__name__}")
+        if hasattr(self, "_backend"):
+            raise RuntimeError("a column store is initialized once")
+        if kind not in ("q", "d"):
+            raise ValueError("ColumnStore: kind must be 'q' or 'd'")
+        self._slots: dict[Any, int] = {}
+        self._keys: list[Any] = []
+        self._kgs = array.array("i")
+        self._vals = array.array(kind)
+        self._free: list[int] = []
+        self.deletes = 0
+        self.live = 0
+        self._backend = backend
+
+    @property
+    def used(self) -> int:
+        """Slots in use or free (the columns' length)."""
+        return len(self._keys)
+
+    def __len__(self) -> int:
+        return self.live
+
+    def _convert(self, value: Any) -> Any:
+        if self._vals.typecode == "q" and isinstance(value, float):
+            raise TypeError("an int64 state's value must be an integer")
+        array.array(self._vals.typecode, [value])  # its refusals
+        return value
+
+    def _slot(self, key: Any, group: Any) -> int:
+        i = self._slots.get(key)
+        if i is not None:
+            return i
+        kg = int(group)
+        if not 0 <= kg <= 0x7FFFFFFF:
+            raise ValueError(f"key group {kg} out of range")
+        if self._free:
+            i = self._free[-1]
+            self._slots[key] = i
+            self._free.pop()
+            self.deletes += 1  # a key below ``used`` changed (see export)
+            self._keys[i] = key
+            self._kgs[i] = kg
+        else:
+            i = len(self._keys)
+            self._slots[key] = i
+            self._keys.append(key)
+            self._kgs.append(kg)
+            self._vals.append(0)
+        self.live += 1
+        return i
+
+    def get(self, default: Any) -> Any:
+        """The current key's value, or ``default``."""
+        i = self._slots.get(self._backend.current_key)
+        return default if i is None else self._vals[i]
+
+    def _write(self, value: Any, records: Any, op: Any, flush: Any) -> None:
+        b = self._backend
+        group, key, key_bytes = b.current_key_group, b.current_key, b.current_key_bytes
+        value = self._convert(value)
+        full = False
+        if records is not None:
+            hash(group)
+            hash(key)
+            full = records.append_typed(op, key_bytes, group, None, value)
+        self._vals[self._slot(key, group)] = value
+        if full:
+            flush()
+
+    def update(self, value: Any) -> None:
+        """Set the current key's value."""
+        self._write(value, None, None, None)
+
+    def clear(self) -> None:
+        """Remove the current key's value."""
+        key = self._backend.current_key
+        i = self._slots.pop(key, None)
+        if i is None:
+            return
+        self._keys[i] = None
+        self._kgs[i] = -1
+        self._free.append(i)
+        self.live -= 1
+        self.deletes += 1
+
+    def export(
+        self, since_used: int, since_deletes: int
+    ) -> tuple[int, int, int, bytes, bytes, list[Any], bool]:
+        """``(used, deletes, live, kgs, vals, keys, full)`` (see the C module source)."""
+        used = len(self._keys)
+        full = since_deletes != self.deletes or not 0 <= since_used <= used
+        keys = self._keys[0 if full else since_used : used]
+        return used, self.deletes, self.live, self._kgs.tobytes(), self._vals.tobytes(), keys, full
+
+    def load(self, kg: int, keys: Iterable[Any], values: Iterable[Any]) -> None:
+        """Set many keys of key group ``kg``."""
+        ks, vs = list(keys), list(values)
+        if len(ks) != len(vs):
+            raise ValueError("load: keys and values differ in length")
+        for k, v in zip(ks, vs, strict=True):
+            self._vals[self._slot(k, kg)] = self._convert(v)
+
+    def entries(self) -> tuple[list[int], list[Any], list[Any]]:
+        """``(kgs, keys, values)`` of the live keys, in slot order."""
+        live = [i for i, kg in enumerate(self._kgs) if kg >= 0]
+        return (
+            [self._kgs[i] for i in live],
+            [self._keys[i] for i in live],
+            [self._vals[i] for i in live],
+        )
+
+
+class ColumnWriter:
+    """The logged write of a :class:`ColumnStore`. Task thread only."""
+
+    __slots__ = ("_flush", "_op", "_records", "_store")
+
+    def __init__(self, store: ColumnStore, records: Any, op: int, flush: Callable[[], object]):
+        if not isinstance(store, ColumnStore):
+            raise TypeError("store must be a ColumnStore")
+        if not isinstance(records, _BUFFERS):
+            raise TypeError("records must be a dstl._records.RecordColumns")
+        if not isinstance(op, int) or not callable(flush):
+            raise TypeError("a column writer needs an int op and flush()")
+        self._store = store
+        self._records = records
+        self._op = op
+        self._flush = flush
+
+    def update(self, value: Any) -> None:
+        """Log and set the current key's value."""
+        self._store._write(value, self._records, self._op, self._flush)

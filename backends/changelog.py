@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from backends._heapstate import HeapList, HeapMap, HeapValue
+from backends._heapstate import ColumnWriter, HeapList, HeapMap, HeapValue
 from backends.backend import KeyedStateBackend
 from backends.batch import prepare_batch
 from backends.forked import materialization_snapshot
@@ -182,6 +182,10 @@ class _LoggedHeapValueState(_LoggedValueState):
         self, backend: ChangelogKeyedStateBackend, inner: Any, meta: StateMeta, op: Op
     ) -> None:
         super().__init__(backend, inner, meta, op)
+        store = backend.inner.column_store(meta.name)
+        if store is not None:  # a columnar state: its C write appends the record too
+            self.update = ColumnWriter(store, self._records, self._vop, self.flush).update  # type: ignore[method-assign]
+            return
         write = _heap_write(HeapValue, backend, meta, self, self._vop)
         self.update = write.update  # type: ignore[method-assign]
 

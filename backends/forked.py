@@ -7,12 +7,15 @@ GIL the task thread needs, so the task slowed down while it ran and the upload w
 for the GIL (a 1 ms switch interval only traded one for the other). With ``fork()`` the
 synchronous part is the fork (the page tables), the child holds the state as of the fork
 (copy-on-write), and encodes the pieces (:func:`backends.tables.state_files`) with its
-own interpreter on another core; the upload thread of the parent only reads the finished
+own interpreter on another core (columnar states it exports itself, from its copy:
+:meth:`~backends.heap.HeapKeyedStateBackend.export_columns`); the upload thread of the parent only reads the finished
 pieces from a pipe and uploads them.
 
 :func:`materialization_snapshot` picks the way: a fork for a heap store of at least
 :data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, else the store's own
-snapshot (a heap store copies its dicts). A fork that fails (no memory for the page
+snapshot (a heap store copies its dicts and columns:
+:meth:`~backends.heap.HeapKeyedStateBackend.column_snapshot`). A fork that fails (no
+memory for the page
 tables, a process limit) falls back to the copy.
 
 The child (:func:`_child`) runs nothing but this module's loop and
@@ -36,6 +39,7 @@ length), a JSON header, then the data. The header of a piece holds ``name``, ``s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import json
@@ -85,12 +89,10 @@ _PIPE_BYTES = 1 << 20  # fewer reads (each a GIL hand-off on the upload thread)
 def materialization_snapshot(backend: Any, sqn: int | None) -> MaterializationSnapshot:
     """The snapshot a materialization of ``backend`` uploads (task thread): forked for a
     heap store (see the module docstring), the store's own snapshot otherwise."""
-    if (
-        isinstance(backend, HeapKeyedStateBackend)
-        and hasattr(os, "fork")
-        and backend.entry_count() >= FORK_MIN_ENTRIES
-    ):
-        return fork_snapshot(backend, sqn)
+    if isinstance(backend, HeapKeyedStateBackend):
+        if hasattr(os, "fork") and backend.entry_count() >= FORK_MIN_ENTRIES:
+            return fork_snapshot(backend, sqn)
+        return backend.column_snapshot(sqn)
     snapshot: MaterializationSnapshot = backend.snapshot(sqn)
     return snapshot
 
@@ -124,9 +126,9 @@ def fork_snapshot(
         for fd in (req_r, req_w, out_r, out_w):
             os.close(fd)
         log.warning("heap snapshot: fork failed (%s); copying the state instead", exc)
-        return backend.snapshot(sqn)
+        return backend.column_snapshot(sqn)
     if pid == 0:  # pragma: no cover - the child; its exit ends this branch
-        _child(view, req_r, out_w)
+        _child(backend, view, req_r, out_w)
     os.close(req_r)
     os.close(out_w)
     with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
@@ -260,8 +262,12 @@ def _read(fd: int, n: int) -> bytes:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _child(view: StateSnapshot, request_fd: int, out_fd: int) -> None:  # pragma: no cover
-    """The forked child: encode ``view``'s pieces as requested, then ``os._exit``.
+def _child(
+    backend: HeapKeyedStateBackend, view: StateSnapshot, request_fd: int, out_fd: int
+) -> None:  # pragma: no cover
+    """The forked child: encode ``view``'s pieces (and the columnar states of its copy
+    of ``backend``, exported here: the parent pays no copy) as requested, then
+    ``os._exit``.
 
     Coverage cannot see it (the child never returns); tests check it by its output.
     """
@@ -279,6 +285,7 @@ def _child(view: StateSnapshot, request_fd: int, out_fd: int) -> None:  # pragma
         (piece_rows,) = _REQUEST.unpack(raw)
         count = 0
         try:
+            view = dataclasses.replace(view, columns=backend.export_columns())
             for f in state_files(view, None if piece_rows < 0 else piece_rows):
                 assert f.data is not None
                 head = {

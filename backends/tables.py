@@ -34,12 +34,14 @@ from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from backends._heapstate import pack, pack_text
-from backends.heap import KEY_GROUPS_PER_FILE, StateSnapshot, Table
+from backends.heap import KEY_GROUPS_PER_FILE, ColumnSnapshot, StateSnapshot, Table
+from backends.keygroups import KeyGroupRange
 from backends.serializers import Serializer, serializer_for
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, StateKind, StateMeta
@@ -226,6 +228,10 @@ def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Sna
     rng = snapshot.key_group_range
     key_ser = snapshot.key_serializer
     for name, meta in sorted(snapshot.metas.items()):
+        column = snapshot.columns.get(name)
+        if column is not None:
+            yield from _column_files(name, meta, key_ser, rng, column, piece_rows)
+            continue
         table = snapshot.tables.get(name, {})
         keys = sum(len(m) for kg, m in table.items() if kg in rng)
         if not keys:
@@ -248,6 +254,46 @@ def state_files(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Sna
                 arrow.num_rows,
                 table_to_parquet(arrow),
             )
+
+
+def _column_files(
+    name: str,
+    meta: StateMeta,
+    key_ser: Serializer,
+    rng: KeyGroupRange,
+    column: ColumnSnapshot,
+    piece_rows: int | None,
+) -> Iterator[SnapshotFile]:
+    """:func:`state_files` of a columnar state: the same pieces, rows and bytes as its
+    dicts would give, from Arrow and numpy over the copied columns (no Python call per
+    key; the sort and the Parquet encoding release the GIL)."""
+    schema = schema_for(meta, key_ser)
+    kgs = np.frombuffer(column.kgs, np.int32, column.used)
+    inside = np.flatnonzero((kgs >= rng.start) & (kgs < rng.end))
+    if not len(inside):
+        yield SnapshotFile(
+            f"{name}.empty.parquet", name, rng.start, rng.end, 0,
+            table_to_parquet(table_for(meta, key_ser, {})),
+        )  # fmt: skip
+        return
+    value_type = schema.field("value").type
+    values = pa.Array.from_buffers(value_type, column.used, [None, pa.py_buffer(column.vals)])
+    keys = column.key_array(key_ser)
+    groups = pa.Array.from_buffers(pa.int32(), column.used, [None, pa.py_buffer(column.kgs)])
+    rows = pa.Table.from_arrays([groups, keys, values], schema=schema).take(pa.array(inside))
+    rows = rows.take(pc.sort_indices(rows, [("key_group", "ascending"), ("key", "ascending")]))
+    sorted_kgs = rows["key_group"].to_numpy()
+    span = piece_span(len(rows), len(rng), piece_rows)
+    for start in range(rng.start - rng.start % span, rng.end, span):
+        lo, hi = max(start, rng.start), min(start + span, rng.end)
+        a, b = np.searchsorted(sorted_kgs, [lo, hi])
+        if a == b:
+            continue
+        piece = rows.slice(int(a), int(b - a)).combine_chunks()
+        yield SnapshotFile(
+            f"{name}.kg{lo:04x}-{hi:04x}.parquet", name, lo, hi, piece.num_rows,
+            table_to_parquet(piece),
+        )  # fmt: skip
 
 
 def snapshot_tables(snapshot: StateSnapshot) -> Iterator[tuple[StateMeta, pa.Table]]:

@@ -39,18 +39,23 @@ def _heap() -> HeapKeyedStateBackend:
 
 
 def _write(b: Any, keys: range, salt: int) -> None:
-    """Every state kind: values (with deletions), lists and maps."""
+    """Every state kind: values in dicts and columnar (with deletions), lists and maps.
+    The dict value state alone is large enough to fork; the columnar one reaches the
+    child as columns copied before the fork."""
     count = b.get_state(ValueStateDescriptor("count", INT64))
+    label = b.get_state(ValueStateDescriptor("label", STR))
     seen = b.get_state(ListStateDescriptor("seen", STR))
     tags = b.get_state(MapStateDescriptor("tags", STR, INT64))
     for i in keys:
         b.set_current_key(i)
         count.update(i + salt)
+        label.update(f"l{i + salt}")
         if i % 11 == 0:
             seen.add(f"s{i}-{salt}")
             tags.put(f"t{salt % 3}", i)
         if salt and i % 13 == 0:
             count.clear()
+            label.clear()
 
 
 def _restored(fileio: FileIO, handle: KeyedStateHandle) -> dict[str, dict[Any, Any]]:

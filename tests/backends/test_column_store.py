@@ -1,0 +1,162 @@
+"""Columnar value states of the heap store (``ColumnStore``): the C type and its Python
+twin behave the same, and a materialization of the columns writes the very bytes the
+dicts would (so old checkpoints and shared pieces keep working)."""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from backends import _heapstate_c, _heapstate_py
+from backends.heap import HeapKeyedStateBackend
+from backends.keygroups import KeyGroupRange
+from backends.serializers import FLOAT64, INT64, STR
+from backends.state import ValueStateDescriptor
+from backends.tables import state_files
+from dstl import _records
+from dstl._records import KIND_INT64, KIND_NONE, RecordColumns
+
+IMPLS = [pytest.param(_heapstate_c, id="c"), pytest.param(_heapstate_py, id="py")]
+
+
+def _ctx(impl: ModuleType) -> Any:
+    class Ctx(impl.KeyContext):  # type: ignore[name-defined,misc]
+        def at(self, key: Any, group: int) -> Any:
+            self.current_key, self.current_key_group = key, group
+            self.current_key_bytes = str(key).encode()
+            return self
+
+    return Ctx()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_column_store_sets_reads_clears_and_reuses_slots(impl: ModuleType) -> None:
+    ctx = _ctx(impl)
+    s = impl.ColumnStore(ctx, "q")
+    ctx.at("a", 3)
+    assert s.get(-1) == -1 and len(s) == 0
+    s.update(5)
+    s.update(True)  # as array("q") takes it
+    assert s.get(0) == 1 and len(s) == 1
+    ctx.at("b", 4)
+    s.update(-(2**63))
+    assert s.entries() == ([3, 4], ["a", "b"], [1, -(2**63)])
+    ctx.at("a", 3)
+    s.clear()
+    s.clear()  # absent: nothing
+    assert s.get(None) is None and len(s) == 1 and s.deletes == 1
+    ctx.at("c", 9)
+    s.update(7)  # takes the free slot
+    assert s.used == 2 and s.entries() == ([9, 4], ["c", "b"], [7, -(2**63)])
+    with pytest.raises(TypeError):
+        s.update(1.5)
+    with pytest.raises(OverflowError):
+        s.update(2**63)
+    with pytest.raises(TypeError):
+        s.update("1")
+    assert s.get(None) == 7  # refusals change nothing
+    with pytest.raises(ValueError):
+        impl.ColumnStore(ctx, "i")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_export_hands_out_only_the_keys_added_since_unless_one_was_cleared(
+    impl: ModuleType,
+) -> None:
+    ctx = _ctx(impl)
+    s = impl.ColumnStore(ctx, "d")
+    for k in range(3):
+        ctx.at(k, k)
+        s.update(k / 2)
+    used, deletes, live, kgs, vals, keys, full = s.export(0, 0)
+    assert (used, deletes, live, keys, full) == (3, 0, 3, [0, 1, 2], False)
+    assert kgs == bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0]) and len(vals) == 24
+    ctx.at(3, 1)
+    s.update(1)
+    assert s.export(3, 0)[5:] == ([3], False)
+    ctx.at(0, 0)
+    s.clear()
+    used, deletes, live, kgs, _, keys, full = s.export(4, 0)
+    assert (used, deletes, live, keys, full) == (4, 1, 3, [None, 1, 2, 3], True)
+    assert kgs[:4] == b"\xff\xff\xff\xff"
+    s.load(5, [10, 11], [1.5, 2])
+    ctx.at(10, 5)
+    assert s.get(None) == 1.5 and s.used == 5  # the free slot, then a new one
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_column_writer_logs_before_it_writes(impl: ModuleType) -> None:
+    if impl is _heapstate_c and not _records.NATIVE:
+        pytest.skip("the C writer appends to the C record buffer only")
+    ctx = _ctx(impl).at("k", 2)
+    s = impl.ColumnStore(ctx, "q")
+    records = RecordColumns(2, 1 << 20, KIND_NONE, KIND_INT64)
+    flushed: list[Any] = []
+    w = impl.ColumnWriter(s, records, 1, lambda: flushed.append(records.take()))
+    w.update(10)
+    assert len(records) == 1 and s.get(None) == 10
+    with pytest.raises(TypeError):
+        w.update(1.5)
+    assert len(records) == 1 and s.get(None) == 10
+    w.update(11)
+    assert len(flushed) == 1 and s.get(None) == 11
+
+
+def _filled(seed: int, keys: int) -> HeapKeyedStateBackend:
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, 128))
+    count = b.get_state(ValueStateDescriptor("count", INT64, default=0))
+    ratio = b.get_state(ValueStateDescriptor("ratio", FLOAT64))
+    label = b.get_state(ValueStateDescriptor("label", STR))  # kept in dicts
+    rnd = random.Random(seed)
+    for _ in range(keys * 2):
+        k = rnd.randrange(keys)
+        b.set_current_key(k)
+        count.update(count.value() + 1)
+        if k % 3 == 0:
+            ratio.update(rnd.random())
+            label.update(f"k{k}")
+        if k % 17 == 0:
+            ratio.clear()
+    return b
+
+
+def _files(snapshot: Any, piece_rows: int | None) -> list[tuple[str, int, bytes | None]]:
+    return [(f.name, f.rows, f.data) for f in state_files(snapshot, piece_rows)]
+
+
+@pytest.mark.parametrize("piece_rows", [65536, 512, None])
+def test_columns_materialize_to_the_bytes_the_dicts_give(piece_rows: int | None) -> None:
+    b = _filled(1, 5000)
+    assert b.column_store("count") is not None and b.column_store("label") is None
+    assert _files(b.column_snapshot(3), piece_rows) == _files(b.snapshot(3), piece_rows)
+
+
+def test_a_column_snapshot_keeps_its_state_while_the_store_changes() -> None:
+    b = _filled(2, 3000)
+    expected = [_files(b.snapshot(), 512)]
+    snaps = [b.column_snapshot()]
+    count = b.get_state(ValueStateDescriptor("count", INT64, default=0))
+    ratio = b.get_state(ValueStateDescriptor("ratio", FLOAT64))
+    for step, keys in enumerate([range(2000, 4000), range(0, 300, 7), range(100, 5000, 3)]):
+        for k in keys:
+            b.set_current_key(k)
+            count.update(count.value() + step)
+            if step == 1:
+                ratio.clear()
+                count.clear()
+        expected.append(_files(b.snapshot(), 512))
+        snaps.append(b.column_snapshot())
+    # encoded after every change (and out of order): each as of its own snapshot
+    for snap, want in reversed(list(zip(snaps, expected, strict=True))):
+        assert _files(snap, 512) == want
+
+
+def test_an_empty_columnar_state_still_writes_its_declaration() -> None:
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, 8), 8)
+    b.get_state(ValueStateDescriptor("count", INT64))
+    files = _files(b.column_snapshot(), None)
+    assert [(n, r) for n, r, _ in files] == [("count.empty.parquet", 0)]
+    assert files == _files(b.snapshot(), None)
