@@ -507,10 +507,11 @@ HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
  * (``deletes`` counts the clears, so a snapshot knows when keys moved).
  *
  * get(default), update(value), clear(): the current key's (backend's KeyContext) value.
- * export(since_used, since_deletes): (used, deletes, live, kgs, vals, keys, full): the key
- * groups (int32, -1 for a free slot) and values (8 bytes each) of slots [0, used) as
- * bytes, and the keys of slots [since_used, used) (all of them, full true, if a key was
- * cleared since ``since_deletes``).
+ * export(since_used, since_deletes): (used, deletes, live, kgs, vals, keys, full, ikeys):
+ * the key groups (int32, -1 for a free slot) and values (8 bytes each) of slots
+ * [0, used) as bytes, the keys of slots [since_used, used) (all of them, full true, if a
+ * key was cleared or a free slot reused since ``since_deletes``), and, while every key is
+ * an int64, the keys of slots [0, used) as int64 bytes (else None).
  * load(kg, keys, values): bulk set (restore). entries(): (kgs, keys, values) lists of the
  * live slots in slot order. len(): live keys.
  * ColumnWriter(store, records, op, flush).update(value): the write that first appends a
@@ -526,6 +527,7 @@ typedef struct {
     PyObject *keys;  /* list: slot -> key (None: free) */
     int32_t *kgs;
     int64_t *vals;
+    int64_t *ikeys; /* slot -> key, while ``slots`` is NULL (every key an int64) */
     Py_ssize_t used, cap, live;
     Py_ssize_t *free_slots;
     Py_ssize_t nfree, free_cap;
@@ -591,6 +593,7 @@ cs_dealloc(PyObject *op)
     cs_clear_refs(op);
     PyMem_Free(self->kgs);
     PyMem_Free(self->vals);
+    PyMem_Free(self->ikeys);
     PyMem_Free(self->free_slots);
     PyMem_Free(self->hkeys);
     PyMem_Free(self->hslots);
@@ -661,12 +664,19 @@ cs_grow(ColumnStore *s)
         return -1;
     }
     s->vals = vals;
+    int64_t *ikeys = PyMem_Realloc(s->ikeys, (size_t)cap * sizeof *ikeys);
+    if (ikeys == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->ikeys = ikeys;
     s->cap = cap;
     return 0;
 }
 
 /* The slot of ``key`` (added in key group ``group`` if new), or -1 with an exception. */
 static Py_ssize_t cs_lookup(ColumnStore *s, PyObject *key);
+static inline int cs_int_key(PyObject *key, int64_t *out);
 static int cs_index_add(ColumnStore *s, PyObject *key, Py_ssize_t i);
 static int cs_index_del(ColumnStore *s, PyObject *key);
 
@@ -708,6 +718,10 @@ cs_slot(ColumnStore *s, PyObject *key, PyObject *group)
         s->used++;
     }
     s->kgs[i] = (int32_t)kg;
+    int64_t k;
+    if (s->slots == NULL && cs_int_key(key, &k)) {
+        s->ikeys[i] = k;
+    }
     s->live++;
     return i;
 }
@@ -1053,11 +1067,15 @@ cs_export(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PyList_GetSlice(s->keys, full ? 0 : since_used, s->used);
     PyObject *kgs = PyBytes_FromStringAndSize((const char *)s->kgs, s->used * 4);
     PyObject *vals = PyBytes_FromStringAndSize((const char *)s->vals, s->used * 8);
+    PyObject *ikeys = s->slots == NULL
+                          ? PyBytes_FromStringAndSize((const char *)s->ikeys, s->used * 8)
+                          : Py_NewRef(Py_None);
     PyObject *r = NULL;
-    if (keys != NULL && kgs != NULL && vals != NULL) {
-        r = Py_BuildValue("nKnOOOO", s->used, s->deletes, s->live, kgs, vals, keys,
-                          full ? Py_True : Py_False);
+    if (keys != NULL && kgs != NULL && vals != NULL && ikeys != NULL) {
+        r = Py_BuildValue("nKnOOOOO", s->used, s->deletes, s->live, kgs, vals, keys,
+                          full ? Py_True : Py_False, ikeys);
     }
+    Py_XDECREF(ikeys);
     Py_XDECREF(keys);
     Py_XDECREF(kgs);
     Py_XDECREF(vals);

@@ -323,12 +323,14 @@ class ColumnStore:
 
     def export(
         self, since_used: int, since_deletes: int
-    ) -> tuple[int, int, int, bytes, bytes, list[Any], bool]:
-        """``(used, deletes, live, kgs, vals, keys, full)`` (see the C module source)."""
+    ) -> tuple[int, int, int, bytes, bytes, list[Any], bool, bytes | None]:
+        """``(used, deletes, live, kgs, vals, keys, full, ikeys)`` (see the C module
+        source; ``ikeys`` is always None here: the keys are converted from ``keys``)."""
         used = len(self._keys)
         full = since_deletes != self.deletes or not 0 <= since_used <= used
         keys = self._keys[0 if full else since_used : used]
-        return used, self.deletes, self.live, self._kgs.tobytes(), self._vals.tobytes(), keys, full
+        kgs, vals = self._kgs.tobytes(), self._vals.tobytes()
+        return used, self.deletes, self.live, kgs, vals, keys, full, None
 
     def load(self, kg: int, keys: Iterable[Any], values: Iterable[Any]) -> None:
         """Set many keys of key group ``kg``."""

@@ -113,18 +113,19 @@ class _KeyColumn:
         self._arrow_of: list[Any] | None = None
         self._arrow: Any = None
 
-    def refresh(self, store: ColumnStore) -> tuple[int, int, bytes, bytes, list[Any]]:
-        """Export ``store`` (task thread): ``(used, live, kgs, vals, keys)``."""
-        used, deletes, live, kgs, vals, part, full = store.export(self.used, self.deletes)
+    def refresh(self, store: ColumnStore) -> tuple[int, int, bytes, bytes, list[Any], bytes | None]:
+        """Export ``store`` (task thread): ``(used, live, kgs, vals, keys, ikeys)``."""
+        used, deletes, live, kgs, vals, part, full, ikeys = store.export(self.used, self.deletes)
         if full:
             self.keys = part
         else:
             self.keys.extend(part)
         self.used, self.deletes = used, deletes
-        return used, live, kgs, vals, self.keys
+        return used, live, kgs, vals, self.keys, ikeys
 
-    def arrow(self, keys: list[Any], used: int, key_serializer: Serializer) -> Any:
-        """``keys[:used]`` as an Arrow column (free slots: any valid key)."""
+    def arrow(self, keys: list[Any], used: int, free: bool, key_serializer: Serializer) -> Any:
+        """``keys[:used]`` as an Arrow column (free slots, None in ``keys``, only if
+        ``free``: any valid key)."""
         import pyarrow as pa
 
         with self._lock:
@@ -133,7 +134,9 @@ class _KeyColumn:
                 done = len(self._arrow)
             part = keys[done:used]
             new = None
-            if part:
+            if part and not free:
+                new = key_serializer.to_arrow(part)
+            elif part:
                 fill = next((k for k in part if k is not None), None)
                 if fill is None:  # every slot of the part is free
                     new = pa.nulls(len(part), key_serializer.arrow_type)
@@ -162,10 +165,16 @@ class ColumnSnapshot:
     vals: bytes
     keys: list[Any]
     key_column: _KeyColumn
+    int_keys: bytes | None = None
 
     def key_array(self, key_serializer: Serializer) -> Any:
-        """The keys by slot as an Arrow column (upload thread)."""
-        return self.key_column.arrow(self.keys, self.used, key_serializer)
+        """The keys by slot as an Arrow column (upload thread): straight from
+        ``int_keys`` (every key an int64, the store's own copy) for int64 keys."""
+        if self.int_keys is not None and key_serializer.name == "int64":
+            import pyarrow as pa
+
+            return pa.Array.from_buffers(pa.int64(), self.used, [None, pa.py_buffer(self.int_keys)])
+        return self.key_column.arrow(self.keys, self.used, self.live < self.used, key_serializer)
 
 
 class _ColumnValueState:
@@ -468,8 +477,8 @@ class HeapKeyedStateBackend(KeyContext):
         for name, store in self._columns.items():
             kind = COLUMN_KINDS[self._metas[name].raw_value_ser().name]
             kc = self._key_columns[name]
-            used, live, kgs, vals, keys = kc.refresh(store)
-            out[name] = ColumnSnapshot(kind, used, live, kgs, vals, keys, kc)
+            used, live, kgs, vals, keys, ikeys = kc.refresh(store)
+            out[name] = ColumnSnapshot(kind, used, live, kgs, vals, keys, kc, ikeys)
         return out
 
     def purge_expired(self) -> None:

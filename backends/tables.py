@@ -280,9 +280,21 @@ def _column_files(
     values = pa.Array.from_buffers(value_type, column.used, [None, pa.py_buffer(column.vals)])
     keys = column.key_array(key_ser)
     groups = pa.Array.from_buffers(pa.int32(), column.used, [None, pa.py_buffer(column.kgs)])
-    rows = pa.Table.from_arrays([groups, keys, values], schema=schema).take(pa.array(inside))
-    rows = rows.take(pc.sort_indices(rows, [("key_group", "ascending"), ("key", "ascending")]))
-    sorted_kgs = rows["key_group"].to_numpy()
+    table = pa.Table.from_arrays([groups, keys, values], schema=schema)
+    if pa.types.is_integer(keys.type) and keys.null_count == 0:
+        # (key group, key) order in numpy: the keys of a state are unique, so any sort of
+        # them, then a stable (for 16-bit groups: radix) sort of their groups
+        by_key = inside[np.argsort(keys.to_numpy()[inside])]
+        own = kgs[by_key]
+        order = by_key[
+            np.argsort(own.astype(np.uint16) if rng.end <= 1 << 16 else own, kind="stable")
+        ]
+        rows = table.take(pa.array(order))
+        sorted_kgs = kgs[order]
+    else:
+        rows = table.take(pa.array(inside))
+        rows = rows.take(pc.sort_indices(rows, [("key_group", "ascending"), ("key", "ascending")]))
+        sorted_kgs = rows["key_group"].to_numpy()
     span = piece_span(len(rows), len(rng), piece_rows)
     for start in range(rng.start - rng.start % span, rng.end, span):
         lo, hi = max(start, rng.start), min(start + span, rng.end)

@@ -4,6 +4,7 @@ dicts would (so old checkpoints and shared pieces keep working)."""
 
 from __future__ import annotations
 
+import array
 import random
 from types import ModuleType
 from typing import Any
@@ -71,20 +72,27 @@ def test_export_hands_out_only_the_keys_added_since_unless_one_was_cleared(
     for k in range(3):
         ctx.at(k, k)
         s.update(k / 2)
-    used, deletes, live, kgs, vals, keys, full = s.export(0, 0)
+    used, deletes, live, kgs, vals, keys, full, ikeys = s.export(0, 0)
     assert (used, deletes, live, keys, full) == (3, 0, 3, [0, 1, 2], False)
+    # the int keys as int64 bytes (the C store's index holds them; the twin: None)
+    assert ikeys == (array.array("q", [0, 1, 2]).tobytes() if impl is _heapstate_c else None)
     assert kgs == bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0]) and len(vals) == 24
     ctx.at(3, 1)
     s.update(1)
-    assert s.export(3, 0)[5:] == ([3], False)
+    assert s.export(3, 0)[5:7] == ([3], False)
     ctx.at(0, 0)
     s.clear()
-    used, deletes, live, kgs, _, keys, full = s.export(4, 0)
+    used, deletes, live, kgs, _, keys, full, _ = s.export(4, 0)
     assert (used, deletes, live, keys, full) == (4, 1, 3, [None, 1, 2, 3], True)
     assert kgs[:4] == b"\xff\xff\xff\xff"
     s.load(5, [10, 11], [1.5, 2])
     ctx.at(10, 5)
     assert s.get(None) == 1.5 and s.used == 5  # the free slot, then a new one
+    ctx.at("x", 1)
+    s.update(3)  # not an int key: the index becomes a dict, and no int keys are exported
+    assert s.export(0, 0)[7] is None and s.get(None) == 3.0
+    ctx.at(11, 5)
+    assert s.get(None) == 2.0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
