@@ -28,9 +28,13 @@ checkpoint would reference beside the base (``backend.log_bytes()``, looked at e
 checkpoint's full size is its base plus that log, so the interval alone lets it grow with
 the update rate (at 100k keys and ~200k updates/s, 5 s of log are ~10x the state), while
 the ratio keeps it near ``(1 + max_log_ratio) * base`` plus the log written while one
-materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. The
-default 0.4 starts one at about the log it started at when it was 0.25 and the heap's
-tables took ~1.45x the bytes they take now (before their keys were delta-encoded): each
+materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. Unless
+the option sets one, the ratio is the backend's own (``max_log_ratio``: the RocksDB
+store's 0.2, whose compacted SSTs take ~0.9x the live state at 100k keys where the heap's
+tables take ~0.6x, so at 0.4 its full checkpoint passed 1.5x the live state), else
+:data:`DEFAULT_MAX_LOG_RATIO`. The default 0.4 starts one at about the log it started
+at when it was 0.25 and the heap's tables took ~1.45x the bytes they take now (before
+their keys were delta-encoded): each
 materialization costs the task (a fork's copy-on-write faults), and at 0.25 the smaller
 tables made it materialize ~45% more often (100k uniform keys: 320 instead of 220 in
 30 s, 22% fewer records/s).
