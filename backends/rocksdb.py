@@ -179,6 +179,17 @@ def db_options() -> rocksdict.Options:
     return opts
 
 
+def ingest_writer_options() -> rocksdict.Options:
+    """:func:`db_options` with zstd's default level (3) for the last level too, for the
+    ``SstFileWriter`` of a restore's ingestion (which compresses as for the last level):
+    it runs on the restoring thread, where level ``BOTTOMMOST_ZSTD_LEVEL`` nearly doubled
+    its CPU (0.68 s instead of 0.37 s for 1M rows); the next compaction rewrites the
+    file at that level in the background."""
+    opts = db_options()
+    opts.set_bottommost_compression_options(-14, 3, 0, 0, True)
+    return opts
+
+
 def open_raw_db(path: str) -> rocksdict.Rdict:
     """Open (or create) a raw-mode database with the WAL off for writes."""
     try:
@@ -918,7 +929,7 @@ class RocksDBKeyedStateBackend:
         directory = tempfile.mkdtemp(prefix="ingest-", dir=self.path)
         path = os.path.join(directory, "load.sst")
         try:
-            writer = rocksdict.SstFileWriter(db_options())
+            writer = rocksdict.SstFileWriter(ingest_writer_options())
             writer.open(path)
             deque(map(writer.__setitem__, rows, values), maxlen=0)  # no bytecode per row
             writer.finish()
