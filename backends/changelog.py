@@ -563,6 +563,13 @@ class ChangelogKeyedStateBackend(Generic[B]):
         self.flush_log()
         return self.writer.log_size()[0]
 
+    @property
+    def max_log_ratio(self) -> float | None:
+        """The inner store's own default for the materialization size bound
+        (``MAX_LOG_RATIO``, see :mod:`materializer.scheduler`); None: the scheduler's."""
+        ratio: float | None = getattr(self.inner, "MAX_LOG_RATIO", None)
+        return ratio
+
     def prepare_materialization(self) -> bool:
         """Whether :meth:`snapshot_for_materialization` would be short now; if not, the
         inner store starts what makes it short (RocksDB: a background memtable flush,

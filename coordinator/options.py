@@ -52,8 +52,9 @@ class RuntimeOptions:
     changelog: ChangelogOptions = field(default_factory=ChangelogOptions)
     materialization_interval_s: float = 5.0
     # materialize early once the log since the base is this fraction of the base's bytes
-    # (bounds a checkpoint's full size; see materializer.scheduler; 0: interval only)
-    materialization_max_log_ratio: float = MaterializationOptions().max_log_ratio
+    # (bounds a checkpoint's full size; see materializer.scheduler; 0: interval only;
+    # None: the store's own default)
+    materialization_max_log_ratio: float | None = MaterializationOptions().max_log_ratio
     # "offline": the job only writes the log; offline compactions (statectl compact, on
     # Spark) materialize it and the tasks adopt them at a barrier
     materialization: str = "online"

@@ -28,9 +28,13 @@ checkpoint would reference beside the base (``backend.log_bytes()``, looked at e
 checkpoint's full size is its base plus that log, so the interval alone lets it grow with
 the update rate (at 100k keys and ~200k updates/s, 5 s of log are ~10x the state), while
 the ratio keeps it near ``(1 + max_log_ratio) * base`` plus the log written while one
-materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. The
-default 0.4 starts one at about the log it started at when it was 0.25 and the heap's
-tables took ~1.45x the bytes they take now (before their keys were delta-encoded): each
+materialization runs. Counted in :attr:`MaterializationScheduler.size_triggered`. Unless
+the option sets one, the ratio is the backend's own (``max_log_ratio``: the RocksDB
+store's 0.2, whose compacted SSTs take ~0.9x the live state at 100k keys where the heap's
+tables take ~0.6x, so at 0.4 its full checkpoint passed 1.5x the live state), else
+:data:`DEFAULT_MAX_LOG_RATIO`. The default 0.4 starts one at about the log it started
+at when it was 0.25 and the heap's tables took ~1.45x the bytes they take now (before
+their keys were delta-encoded): each
 materialization costs the task (a fork's copy-on-write faults), and at 0.25 the smaller
 tables made it materialize ~45% more often (100k uniform keys: 320 instead of 220 in
 30 s, 22% fewer records/s).
@@ -63,6 +67,9 @@ MIN_BASE_BYTES = 64 << 10
 """The size bound treats a smaller base (or none) as this big: a new state is materialized
 early too (its whole log is its size), but a tiny one is not materialized over and over."""
 
+DEFAULT_MAX_LOG_RATIO = 0.4
+"""The size bound's ratio for a backend that names none of its own (``max_log_ratio``)."""
+
 SIZE_CHECK_S = 0.05
 """The size bound's look at the log happens at most this often (it flushes the record
 buffers and walks the writer's uploads: cheap, but not per record)."""
@@ -74,13 +81,13 @@ class MaterializationOptions:
 
     Dotted keys (see :meth:`from_dict`): ``materialization.interval-s``,
     ``materialization.max-log-ratio`` (start a materialization once the log since the base
-    reaches this fraction of the base's bytes; 0: by interval only; default 0.4, see the
-    module docstring), ``materialization.max-consecutive-failures``.
+    reaches this fraction of the base's bytes; 0: by interval only; default None: the
+    store's own, see the module docstring), ``materialization.max-consecutive-failures``.
     """
 
     interval_s: float = 5.0
     max_consecutive_failures: int = 3
-    max_log_ratio: float = 0.4
+    max_log_ratio: float | None = None
 
     KEYS: ClassVar[dict[str, tuple[str, Converter]]] = {
         "materialization.interval-s": ("interval_s", float),
@@ -91,7 +98,7 @@ class MaterializationOptions:
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ConfigError("materialization.interval-s must be > 0")
-        if not self.max_log_ratio >= 0:
+        if self.max_log_ratio is not None and not self.max_log_ratio >= 0:
             raise ConfigError("materialization.max-log-ratio must be >= 0")
         if self.max_consecutive_failures < 1:
             raise ConfigError("materialization.max-consecutive-failures must be >= 1")
@@ -150,6 +157,7 @@ class MaterializationScheduler:
         self.skipped_unchanged = 0
         self.skipped_in_flight = 0
         self.size_triggered = 0
+        self.max_log_ratio = self._resolve_ratio()
         self._next_size_check = clock()
         self.last_applied: MaterializationStats | None = None
         # Release of bases no checkpoint will ever reference (see on_barrier).
@@ -204,10 +212,18 @@ class MaterializationScheduler:
         self._in_flight = self._executor.submit(self._upload, mat_id, snapshot)
         return True
 
+    def _resolve_ratio(self) -> float:
+        """The size bound's ratio: the option if set, else the backend's own
+        (``max_log_ratio``, e.g. the RocksDB store's), else :data:`DEFAULT_MAX_LOG_RATIO`."""
+        if self.options.max_log_ratio is not None:
+            return self.options.max_log_ratio
+        own: float | None = getattr(self.materializer.backend, "max_log_ratio", None)
+        return DEFAULT_MAX_LOG_RATIO if own is None else own
+
     def _log_over_bound(self, now: float) -> bool:
-        """Whether the log since the base reached ``max_log_ratio`` of the base's bytes
+        """Whether the log since the base reached :attr:`max_log_ratio` of the base's bytes
         (at least :data:`MIN_BASE_BYTES`; looked at every :data:`SIZE_CHECK_S` at most)."""
-        ratio = self.options.max_log_ratio
+        ratio = self.max_log_ratio
         if not ratio or now < self._next_size_check:
             return False
         self._next_size_check = now + SIZE_CHECK_S

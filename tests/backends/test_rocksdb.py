@@ -323,6 +323,64 @@ def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> N
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
 
 
+def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
+    factory: Factory,
+) -> None:
+    """Writes made after prepare_snapshot's compaction land in L0 beside the last level
+    and repeat its keys; when they are a large part of the snapshot, its copy is
+    compacted before its files are read: one level, each key once, the rows exactly the
+    snapshot's (later writes excluded), the store's own files untouched. A snapshot with
+    only a few such writes keeps the store's files (and their names: shared uploads)."""
+    from backends.rocksdb import SNAPSHOT_COMPACT_MIN_BYTES
+
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    keys = 40_000
+    for i in range(keys):
+        b.set_current_key(f"k{i}")
+        s.update(i)
+    deadline = time.monotonic() + 60
+    while not b.prepare_snapshot():  # compacts into the last level
+        assert time.monotonic() < deadline, "the background compaction did not finish"
+    few = b.snapshot()  # nothing above the last level
+    assert not few.compact
+    last_level = {f.name for f in few.files() if f.name.endswith(".sst")}
+    few.release()
+    for i in range(keys):  # every key again: an L0 file as large as the last level
+        b.set_current_key(f"k{i}")
+        s.update(-i)
+    snap = b.snapshot()
+    try:
+        b.set_current_key("k0")
+        s.update(7)  # after the boundary: not in the snapshot
+        entries, before, levels = _sst_facts(snap.checkpoint_dir)
+        assert snap.compact and len(levels) > 1 and entries == 2 * keys
+        assert before >= 2 * SNAPSHOT_COMPACT_MIN_BYTES
+        names = [f.name for f in snap.files()]
+        assert not {"LOG", "LOCK"} & set(names)
+        entries, after, levels = _sst_facts(snap.checkpoint_dir)
+        assert entries == keys and len(levels) == 1 and after < before
+        assert not last_level & set(names)  # new files: the compacted copy's own
+        copy = open_raw_db(snap.checkpoint_dir)
+        rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
+        copy.close()
+    finally:
+        snap.release()
+    assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == {
+        f"k{i}": -i for i in range(keys)
+    }
+    for key, value in (("k0", 7), ("k5", -5), (f"k{keys - 1}", 1 - keys)):  # the store's own
+        b.set_current_key(key)
+        assert s.value() == value
+
+
+def test_the_rocksdb_store_names_its_own_log_ratio(factory: Factory) -> None:
+    """The changelog backend reports the inner store's size-bound ratio: the RocksDB
+    store's lower one (its SSTs are larger than the heap's tables), none for the heap."""
+    assert factory.logged("rocksdb").max_log_ratio == RocksDBKeyedStateBackend.MAX_LOG_RATIO
+    assert factory.logged("heap").max_log_ratio is None
+
+
 @pytest.mark.parametrize("sort", [True, False])
 def test_bulk_loaded_values_are_ingested_over_older_ones(factory: Factory, sort: bool) -> None:
     """load_serialized_values from INGEST_MIN_ROWS rows on writes an SST file RocksDB

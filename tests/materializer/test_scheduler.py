@@ -206,6 +206,41 @@ def test_options_from_dotted_keys() -> None:
         MaterializationOptions(interval_s=0)
 
 
+@pytest.mark.parametrize(
+    ("store_ratio", "option", "starts"),
+    [(None, None, False), (0.2, None, True), (0.2, 0.4, False), (None, 0.2, True)],
+)
+def test_the_size_bound_takes_the_stores_own_ratio_unless_one_is_set(
+    tmp_path: Path, store_ratio: float | None, option: float | None, starts: bool
+) -> None:
+    """A log of 0.3x the (minimum) base starts a materialization before its interval
+    only under a ratio of 0.2: the store's own (``max_log_ratio``, the RocksDB store's)
+    when the option is unset, the option's when set; 0.4 when neither names one."""
+    from materializer.scheduler import DEFAULT_MAX_LOG_RATIO, MIN_BASE_BYTES
+
+    backend = LocalFilesBackend(str(tmp_path))
+    backend.write("sst-1", b"x" * 100)
+    backend.live = ["sst-1"]
+    if store_ratio is not None:
+        backend.max_log_ratio = store_ratio  # type: ignore[attr-defined]
+    clock = Clock()
+    executor = ManualExecutor()
+    sched = MaterializationScheduler(
+        Materializer(backend, FileIO(str(tmp_path / "store")), "job", "op", 0, clock),
+        MaterializationOptions(interval_s=100.0, max_log_ratio=option),
+        clock=clock,
+        rng=lambda: 0.5,
+        executor=executor,
+    )
+    expected = option if option is not None else store_ratio or DEFAULT_MAX_LOG_RATIO
+    assert sched.max_log_ratio == expected
+    backend.log = int(0.3 * MIN_BASE_BYTES)
+    assert sched.tick(clock.now + 1.0) is starts  # the interval is far away
+    assert sched.size_triggered == int(starts)
+    executor.run_all()
+    sched.close()
+
+
 def _materialize(sched: MaterializationScheduler, executor: ManualExecutor, clock: Clock) -> object:
     clock.now = sched.next_due
     assert sched.tick(clock.now)
