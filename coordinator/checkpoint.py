@@ -73,7 +73,7 @@ from dstl.errors import (
     StorageError,
 )
 from dstl.fileio import FileIO
-from dstl.gil import CHECKPOINT_GIL_SLICE_S, short_gil_slices
+from dstl.gil import CHECKPOINT_GIL_SLICE_S, critical_section, short_gil_slices
 from dstl.options import Converter, parse_dotted
 
 log = logging.getLogger(__name__)
@@ -495,9 +495,10 @@ class CheckpointCoordinator:
         if self._before_commit is not None:
             self._before_commit(completed)
         started = time.perf_counter()
-        retention, next_id, found = self.store.record_completed_and_reserve(
-            completed, self.options.retain, compactions_seen
-        )
+        with critical_section():  # the tasks stand aside while it is written
+            retention, next_id, found = self.store.record_completed_and_reserve(
+                completed, self.options.retain, compactions_seen
+            )
         return retention, (time.perf_counter() - started) * 1e3, next_id, found
 
     def _on_committed(self, msg: _Committed, now: float) -> None:

@@ -47,6 +47,7 @@ from dstl.buffer import ChangeBuffer, as_binary, as_int32
 from dstl.encoder import PendingBlock, encode_here, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
+from dstl.gil import critical_section
 from dstl.handles import ChangelogHandle
 from dstl.integrity import read_verified
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
@@ -657,6 +658,13 @@ class ChangelogStorage:
         return layout.segment_path(self.job, self.worker, counter, nonce)
 
     def _upload(self, batch: list[_Request]) -> None:
+        if any(r.urgent for r in batch):  # a barrier waits for it: the tasks stand aside
+            with critical_section():
+                self._upload_batch(batch)
+        else:
+            self._upload_batch(batch)
+
+    def _upload_batch(self, batch: list[_Request]) -> None:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
         closed = time.perf_counter()

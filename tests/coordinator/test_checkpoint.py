@@ -491,3 +491,27 @@ def test_records_carry_wall_clock_times_not_the_injected_clock(
     assert latest is not None
     assert before - 1 <= latest.triggered_at <= latest.completed_at <= time.time() + 1
     assert latest.stats["duration_ms"] == pytest.approx(200.0)
+
+
+def test_the_record_is_written_while_the_tasks_stand_aside(
+    store: MetadataStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metadata commit is a critical section (dstl.gil): task threads wait at their
+    next batch until it lands, instead of sharing the GIL with it."""
+    from dstl import gil
+
+    h = _harness(store, tmp_path)
+    real = store.record_completed_and_reserve
+    open_during: list[bool] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        open_during.append(bool(gil._critical))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_completed_and_reserve", record)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)
+    h.coord.tick(0.2)
+    assert h.completed == [(1, None)]
+    assert open_during == [True] and not gil._critical  # open while recording, then closed
