@@ -47,7 +47,7 @@ from dstl.buffer import ChangeBuffer, as_binary, as_int32
 from dstl.encoder import PendingBlock, encode_here, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
-from dstl.gil import critical_section
+from dstl.gil import close_critical, critical_section, open_critical
 from dstl.handles import ChangelogHandle
 from dstl.integrity import read_verified
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
@@ -169,6 +169,7 @@ class _Request:
     urgent: bool
     submitted: float = 0.0  # perf_counter() when queued
     taken: float = 0.0  # perf_counter() when the upload thread took it
+    critical: int | None = None  # urgent: the critical section open until it is written
 
     @property
     def nbytes(self) -> int:
@@ -570,6 +571,9 @@ class ChangelogStorage:
                 upload.timings,
                 upload.urgent,
                 time.perf_counter(),
+                # A barrier waits for it, and for the uploads queued before it: the
+                # tasks (this one too) stand aside until it is written (dstl.gil).
+                critical=open_critical(owner=None) if upload.urgent else None,
             )
         )
 
@@ -658,11 +662,15 @@ class ChangelogStorage:
         return layout.segment_path(self.job, self.worker, counter, nonce)
 
     def _upload(self, batch: list[_Request]) -> None:
-        if any(r.urgent for r in batch):  # a barrier waits for it: the tasks stand aside
+        if not any(r.urgent for r in batch):
+            self._upload_batch(batch)
+            return
+        try:  # a barrier waits for it: the tasks stand aside (a bound of its own)
             with critical_section():
                 self._upload_batch(batch)
-        else:
-            self._upload_batch(batch)
+        finally:
+            for r in batch:
+                close_critical(r.critical)
 
     def _upload_batch(self, batch: list[_Request]) -> None:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]

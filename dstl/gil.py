@@ -71,8 +71,35 @@ start. Bounds what a slow section (a metadata store or a disk that stalls) costs
 task's throughput: past it, the tasks run beside the section as they did before."""
 
 _critical_cond = threading.Condition(threading.Lock())
-_critical: dict[int, tuple[int, float]] = {}  # token -> (owner thread, deadline)
-_critical_tokens = itertools.count()
+_critical: dict[int, tuple[int | None, float]] = {}  # token -> (owner thread, deadline)
+_critical_tokens = itertools.count(1)
+_MINE = -1  # open_critical's default owner: the calling thread
+
+
+def open_critical(max_wait_s: float | None = None, owner: int | None = _MINE) -> int | None:
+    """Open a critical section (see :func:`critical_section`) that :func:`close_critical`
+    closes, on any thread: for one that ends on another thread than it began. ``owner``
+    is the thread that does not wait for it (default: the caller; None: every task
+    thread waits, the caller too). Returns its token; None (nothing opened) for a bound
+    of 0."""
+    wait_s = CRITICAL_WAIT_MAX_S if max_wait_s is None else max_wait_s
+    if wait_s <= 0:
+        return None
+    token = next(_critical_tokens)
+    who = threading.get_ident() if owner == _MINE else owner
+    with _critical_cond:
+        _critical[token] = (who, time.monotonic() + wait_s)
+    return token
+
+
+def close_critical(token: int | None) -> None:
+    """Close the section :func:`open_critical` returned ``token`` for (None, or a token
+    closed already or dropped past its bound: nothing)."""
+    if token is None:
+        return
+    with _critical_cond:
+        if _critical.pop(token, None) is not None:
+            _critical_cond.notify_all()
 
 
 @contextlib.contextmanager
@@ -94,34 +121,27 @@ def critical_section(max_wait_s: float | None = None) -> Iterator[None]:
     never waits for its own section. Never hold a section while waiting for a task
     thread: the task would wait for the bound each time.
     """
-    wait_s = CRITICAL_WAIT_MAX_S if max_wait_s is None else max_wait_s
-    if wait_s <= 0:
-        yield
-        return
-    token = next(_critical_tokens)
-    with _critical_cond:
-        _critical[token] = (threading.get_ident(), time.monotonic() + wait_s)
+    token = open_critical(max_wait_s)
     try:
         yield
     finally:
-        with _critical_cond:
-            del _critical[token]
-            _critical_cond.notify_all()
+        close_critical(token)
 
 
 def yield_to_critical() -> float:
-    """Task threads, between batches: wait while a :func:`critical_section` of another
-    thread is open (each for at most its bound). Returns the seconds waited; costs a
-    dictionary's truth test when none is open (the common case)."""
+    """Task threads, between batches: wait while a critical section of another thread
+    is open (each for at most its bound; sections past it are dropped here). Returns
+    the seconds waited; costs a dictionary's truth test when none is open (the common
+    case)."""
     if not _critical:
         return 0.0
     me = threading.get_ident()
     started = now = time.monotonic()
     with _critical_cond:
         while True:
-            deadline = max(
-                (d for owner, d in _critical.values() if owner != me and d > now), default=None
-            )
+            for token in [t for t, (_, d) in _critical.items() if d <= now]:
+                del _critical[token]  # past its bound: never waited for again
+            deadline = max((d for owner, d in _critical.values() if owner != me), default=None)
             if deadline is None:
                 return now - started
             _critical_cond.wait(deadline - now)

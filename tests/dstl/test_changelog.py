@@ -167,6 +167,7 @@ def test_only_an_upload_a_persist_waits_for_runs_in_a_critical_section(
     """The tasks stand aside (dstl.gil) for a barrier's segment, not for the uploads
     that run beside them between barriers."""
     from dstl import changelog as changelog_module
+    from dstl import gil
 
     sections: list[int] = []  # segments written when each section opened
     real = changelog_module.critical_section
@@ -187,9 +188,13 @@ def test_only_an_upload_a_persist_waits_for_runs_in_a_critical_section(
         assert st.segments_written == 1 and not sections
         w.append(0, "s", 1, b"k", None, b"tail")
         future = w.persist(0, 1)
+        # open from the persist on, for every task thread (the persisting one too): the
+        # uploads queued before the barrier's are on its path as well
+        assert [owner for owner, _ in gil._critical.values()] == [None]
         st.drain_once(block=False)
         assert future.result(timeout=0) and st.segments_written == 2
         assert sections == [1]  # the barrier's upload, the second one
+        assert not gil._critical  # closed once it is written
 
 
 def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:
