@@ -73,7 +73,13 @@ from dstl.errors import (
     StorageError,
 )
 from dstl.fileio import FileIO
-from dstl.gil import CHECKPOINT_GIL_SLICE_S, critical_section, short_gil_slices
+from dstl.gil import (
+    CHECKPOINT_GIL_SLICE_S,
+    close_critical,
+    critical_section,
+    open_critical,
+    short_gil_slices,
+)
 from dstl.options import Converter, parse_dotted
 
 log = logging.getLogger(__name__)
@@ -266,12 +272,16 @@ class CheckpointCoordinator:
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
         self._slices = contextlib.ExitStack()  # short GIL slices while any is pending
         self._slices_held = False
+        self._critical: dict[int, int | None] = {}  # committing id -> its critical section
 
     def close(self) -> None:
         """Finish outstanding deletions, join the deleter thread, fail open savepoints."""
         self._slices.close()
         self._slices_held = False
         self._committer.shutdown(wait=True)  # a record being written lands (or not)
+        for token in self._critical.values():
+            close_critical(token)
+        self._critical.clear()
         self._deleter.shutdown(wait=True)
         stopped = CheckpointError(f"job {self.job_id} stopped before the savepoint completed")
         for fut in self._savepoints.values():
@@ -474,6 +484,9 @@ class CheckpointCoordinator:
             stats,
         )
         self.committing[cp.checkpoint_id] = (cp, completed)
+        # Every ack is in: the rest (the hand-offs to the committer and back, the record,
+        # the notifications) is ours alone, and the tasks stand aside until it is done.
+        self._critical[cp.checkpoint_id] = open_critical(owner=None)
         self._previous_files = set(completed.files())
         self._record_next()
 
@@ -556,6 +569,7 @@ class CheckpointCoordinator:
             fut.set_result(completed)
         for listener in self.listeners:
             listener(completed)
+        close_critical(self._critical.pop(cp.checkpoint_id, None))
         self._record_next()
         self._settled()
 
@@ -585,6 +599,7 @@ class CheckpointCoordinator:
     ) -> None:
         reason = str(error)
         self.pending.pop(cp.checkpoint_id, None)
+        close_critical(self._critical.pop(cp.checkpoint_id, None))
         self._settled()
         log.warning("checkpoint aborted id=%d reason=%s", cp.checkpoint_id, reason)
         if known_aborted:
