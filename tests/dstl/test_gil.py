@@ -95,3 +95,28 @@ def test_an_error_in_a_section_closes_it() -> None:
     with pytest.raises(RuntimeError), critical_section(max_wait_s=60.0):
         raise RuntimeError("boom")
     assert not gil._critical
+
+
+def test_a_section_opened_for_every_thread_is_waited_for_by_its_opener_too() -> None:
+    tokens: list[int | None] = []
+    waited: list[float] = []
+
+    def task() -> None:  # a barrier's persist opens it on the task thread itself
+        tokens.append(gil.open_critical(max_wait_s=60.0, owner=None))
+        waited.append(yield_to_critical())
+
+    thread = threading.Thread(target=task)
+    thread.start()
+    _wait_until_waiting(1)
+    gil.close_critical(tokens[0])  # the upload thread, once the segment is written
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert waited and waited[0] > 0 and not gil._critical
+
+
+def test_a_section_never_closed_is_dropped_once_past_its_bound() -> None:
+    token = gil.open_critical(max_wait_s=1e-9, owner=None)
+    assert token is not None and token in gil._critical
+    assert yield_to_critical() < 1.0
+    assert not gil._critical  # nothing left for the fast path to trip over
+    gil.close_critical(token)  # closing it late is harmless
