@@ -132,7 +132,13 @@ def test_a_batch_holding_every_open_writer_closes_without_waiting(fileio: FileIO
         ha, hb = (f.result(timeout=0)[0] for f in futures)
         assert ha.location == hb.location and (ha.block, hb.block) == (0, 1)  # still shared
         timings = b.last_persist_timings()
-        for step in ("persist_queue_ms", "persist_window_ms", "encode_ms", "write_ms"):
+        for step in (
+            "persist_queue_ms",
+            "persist_window_ms",
+            "encode_ms",
+            "encode_cpu_ms",
+            "write_ms",
+        ):
             assert timings[step] >= 0
         assert timings["segment_blocks"] == 2
 
