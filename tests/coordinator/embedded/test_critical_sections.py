@@ -1,6 +1,6 @@
-"""End to end in the embedded runtime: the task threads stand aside for a checkpoint's
-critical steps (:func:`dstl.gil.critical_section`) between batches, and the job's output
-is what it would be without."""
+"""End to end in the embedded runtime: the source and the operator ask whether to stand
+aside (:func:`dstl.gil.yield_to_critical`) before every batch, the checkpoints' critical
+steps open sections, and none is left open when the job ends."""
 
 from __future__ import annotations
 
