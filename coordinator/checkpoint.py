@@ -73,7 +73,13 @@ from dstl.errors import (
     StorageError,
 )
 from dstl.fileio import FileIO
-from dstl.gil import CHECKPOINT_GIL_SLICE_S, short_gil_slices
+from dstl.gil import (
+    CHECKPOINT_GIL_SLICE_S,
+    close_critical,
+    critical_section,
+    open_critical,
+    short_gil_slices,
+)
 from dstl.options import Converter, parse_dotted
 
 log = logging.getLogger(__name__)
@@ -164,8 +170,9 @@ class _Decline:
     reason: str
 
 
-# a record's outcome: retention, milliseconds, the next id reserved, compactions found
-_Recorded = tuple[Retention, float, int | None, list[RegisteredCompaction]]
+# a record's outcome: retention, milliseconds (wall, and the committer thread's CPU),
+# the next id reserved, compactions found
+_Recorded = tuple[Retention, float, float, int | None, list[RegisteredCompaction]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,12 +273,16 @@ class CheckpointCoordinator:
         self.listeners: list[Callable[[CompletedCheckpoint], None]] = []
         self._slices = contextlib.ExitStack()  # short GIL slices while any is pending
         self._slices_held = False
+        self._critical: dict[int, int | None] = {}  # committing id -> its critical section
 
     def close(self) -> None:
         """Finish outstanding deletions, join the deleter thread, fail open savepoints."""
         self._slices.close()
         self._slices_held = False
         self._committer.shutdown(wait=True)  # a record being written lands (or not)
+        for token in self._critical.values():
+            close_critical(token)
+        self._critical.clear()
         self._deleter.shutdown(wait=True)
         stopped = CheckpointError(f"job {self.job_id} stopped before the savepoint completed")
         for fut in self._savepoints.values():
@@ -474,6 +485,9 @@ class CheckpointCoordinator:
             stats,
         )
         self.committing[cp.checkpoint_id] = (cp, completed)
+        # Every ack is in: the rest (the hand-offs to the committer and back, the record,
+        # the notifications) is ours alone, and the tasks stand aside until it is done.
+        self._critical[cp.checkpoint_id] = open_critical(owner=None)
         self._previous_files = set(completed.files())
         self._record_next()
 
@@ -491,21 +505,24 @@ class CheckpointCoordinator:
     def _record(self, completed: CompletedCheckpoint, compactions_seen: int) -> _Recorded:
         """The committer thread: write the record (and, in the same transaction, reserve
         the next checkpoint's id and look up compactions registered after
-        ``compactions_seen``). Returns them and the milliseconds it took."""
+        ``compactions_seen``). Returns them and the milliseconds it took: wall time, and
+        this thread's CPU time (the rest is waiting: the disk's sync, the GIL, a core)."""
         if self._before_commit is not None:
             self._before_commit(completed)
-        started = time.perf_counter()
-        retention, next_id, found = self.store.record_completed_and_reserve(
-            completed, self.options.retain, compactions_seen
-        )
-        return retention, (time.perf_counter() - started) * 1e3, next_id, found
+        started, cpu = time.perf_counter(), time.thread_time()
+        with critical_section():  # the tasks stand aside while it is written
+            retention, next_id, found = self.store.record_completed_and_reserve(
+                completed, self.options.retain, compactions_seen
+            )
+        cpu_ms = (time.thread_time() - cpu) * 1e3
+        return retention, (time.perf_counter() - started) * 1e3, cpu_ms, next_id, found
 
     def _on_committed(self, msg: _Committed, now: float) -> None:
         """A record's commit ended: the checkpoint is complete (or its outcome unknown)."""
         cp, completed = self.committing.pop(msg.checkpoint_id)
         self._recording = None
         try:
-            retention, record_ms, next_id, found = msg.result.result()
+            retention, record_ms, record_cpu_ms, next_id, found = msg.result.result()
         except RecordSupersededError as exc:  # nothing written: a known abort, no failure
             self._abort(cp, exc, now, count_failure=False)
             self._record_next()
@@ -534,11 +551,13 @@ class CheckpointCoordinator:
         candidates = [p.checkpoint_id for p in subsumed] + list(retention.removed_ids)
         last_subsumed = max(candidates) if candidates else None
         log.info(
-            "checkpoint completed id=%d kind=%s duration_ms=%.1f record_ms=%.3f released=%d",
+            "checkpoint completed id=%d kind=%s duration_ms=%.1f record_ms=%.3f "
+            "record_cpu_ms=%.3f released=%d",
             cp.checkpoint_id,
             cp.kind,
             (now - cp.triggered_at) * 1e3,
             record_ms,
+            record_cpu_ms,
             len(retention.released),
         )
         if retention.released:
@@ -555,6 +574,7 @@ class CheckpointCoordinator:
             fut.set_result(completed)
         for listener in self.listeners:
             listener(completed)
+        close_critical(self._critical.pop(cp.checkpoint_id, None))
         self._record_next()
         self._settled()
 
@@ -584,6 +604,7 @@ class CheckpointCoordinator:
     ) -> None:
         reason = str(error)
         self.pending.pop(cp.checkpoint_id, None)
+        close_critical(self._critical.pop(cp.checkpoint_id, None))
         self._settled()
         log.warning("checkpoint aborted id=%d reason=%s", cp.checkpoint_id, reason)
         if known_aborted:

@@ -128,6 +128,22 @@ def _row(r: sa.Row[tuple[object, ...]]) -> RegisteredCompaction:
     )
 
 
+_PENDING_ORDER = (
+    compactions.c.source_checkpoint_id.desc(),
+    compactions.c.compaction_id.desc(),
+    compactions.c.operator,
+    compactions.c.subtask,
+)
+_PENDING = (
+    sa.select(compactions)
+    .where(
+        compactions.c.job_id == sa.bindparam("job"),
+        compactions.c.compaction_id > sa.bindparam("after", type_=sa.BigInteger),
+    )
+    .order_by(*_PENDING_ORDER)
+)
+
+
 def pending(
     conn: Connection,
     job_id: str,
@@ -136,18 +152,15 @@ def pending(
 ) -> list[RegisteredCompaction]:
     """Undecided rows of ``job_id`` (of one subtask if ``slot``) with an id above
     ``after_id``: the newest source checkpoint first."""
+    if slot is None:  # every record asks: the statement is built once
+        return [_row(r) for r in conn.execute(_PENDING, {"job": job_id, "after": after_id})]
     query = sa.select(compactions).where(
-        compactions.c.job_id == job_id, compactions.c.compaction_id > after_id
+        compactions.c.job_id == job_id,
+        compactions.c.compaction_id > after_id,
+        compactions.c.operator == slot[0],
+        compactions.c.subtask == slot[1],
     )
-    if slot is not None:
-        query = query.where(compactions.c.operator == slot[0], compactions.c.subtask == slot[1])
-    query = query.order_by(
-        compactions.c.source_checkpoint_id.desc(),
-        compactions.c.compaction_id.desc(),
-        compactions.c.operator,
-        compactions.c.subtask,
-    )
-    return [_row(r) for r in conn.execute(query)]
+    return [_row(r) for r in conn.execute(query.order_by(*_PENDING_ORDER))]
 
 
 def register(

@@ -335,6 +335,12 @@ def _insert_rows(conn: Connection, table: sa.Table, rows: Sequence[tuple[Any, ..
 
 
 # The record's statements, built once (building one costs more CPU than running it).
+_NEXT_ID = (
+    sa.update(jobs)
+    .where(jobs.c.job_id == sa.bindparam("job"))
+    .values(last_checkpoint_id=jobs.c.last_checkpoint_id + 1)
+    .returning(jobs.c.last_checkpoint_id)
+)
 _NEWEST = sa.select(sa.func.max(checkpoints.c.checkpoint_id)).where(
     checkpoints.c.job_id == sa.bindparam("job")
 )
@@ -614,12 +620,7 @@ class MetadataStore:
 
     @staticmethod
     def _next_id(conn: Connection, job_id: str) -> int:
-        row = conn.execute(
-            sa.update(jobs)
-            .where(jobs.c.job_id == job_id)
-            .values(last_checkpoint_id=jobs.c.last_checkpoint_id + 1)
-            .returning(jobs.c.last_checkpoint_id)
-        ).first()
+        row = conn.execute(_NEXT_ID, {"job": job_id}).first()
         if row is None:
             raise MetadataStoreError(f"unknown job {job_id!r}: call start_attempt first")
         return int(row[0])

@@ -47,6 +47,7 @@ from dstl.buffer import ChangeBuffer, as_binary, as_int32
 from dstl.encoder import PendingBlock, encode_here, shared_encoder
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
+from dstl.gil import close_critical, critical_section, open_critical
 from dstl.handles import ChangelogHandle
 from dstl.integrity import read_verified
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
@@ -168,6 +169,7 @@ class _Request:
     urgent: bool
     submitted: float = 0.0  # perf_counter() when queued
     taken: float = 0.0  # perf_counter() when the upload thread took it
+    critical: int | None = None  # urgent: the critical section open until it is written
 
     @property
     def nbytes(self) -> int:
@@ -401,8 +403,9 @@ class ChangelogWriter:
     def last_persist_timings(self) -> dict[str, float]:
         """Where the last :meth:`persist`'s newest upload spent its time, in ms: waiting
         for the upload thread (``persist_queue_ms``), in the sharing window
-        (``persist_window_ms``), encoding (``encode_ms``), writing durably (``write_ms``),
-        and the segment's ``segment_blocks``. The upload thread fills the dict before the
+        (``persist_window_ms``), encoding (``encode_ms``; ``encode_cpu_ms`` of it the
+        upload thread's CPU), writing durably (``write_ms``), and the segment's
+        ``segment_blocks``. The upload thread fills the dict before the
         persist's future completes; read it after that. Empty for a persist with nothing
         to upload."""
         return self._last_timings
@@ -569,6 +572,9 @@ class ChangelogStorage:
                 upload.timings,
                 upload.urgent,
                 time.perf_counter(),
+                # A barrier waits for it, and for the uploads queued before it: the
+                # tasks (this one too) stand aside until it is written (dstl.gil).
+                critical=open_critical(owner=None) if upload.urgent else None,
             )
         )
 
@@ -657,16 +663,27 @@ class ChangelogStorage:
         return layout.segment_path(self.job, self.worker, counter, nonce)
 
     def _upload(self, batch: list[_Request]) -> None:
+        if not any(r.urgent for r in batch):
+            self._upload_batch(batch)
+            return
+        try:  # a barrier waits for it: the tasks stand aside (a bound of its own)
+            with critical_section():
+                self._upload_batch(batch)
+        finally:
+            for r in batch:
+                close_critical(r.critical)
+
+    def _upload_batch(self, batch: list[_Request]) -> None:
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
-        closed = time.perf_counter()
+        closed, cpu = time.perf_counter(), time.thread_time()
         try:
             pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
             if any(r.urgent for r in batch) and sum(r.nbytes for r in batch) <= ENCODE_HERE_BYTES:
                 segment = encode_here(pending)  # a barrier waits: no helper round trip
             else:
                 segment = self._encoder.encode(pending)
-            encoded = time.perf_counter()
+            encoded, encode_cpu = time.perf_counter(), time.thread_time() - cpu
             data = segment.data
             write = HedgedWrite(
                 self._write_attempt,
@@ -703,6 +720,8 @@ class ChangelogStorage:
                 persist_queue_ms=round((r.taken - r.submitted) * 1e3, 3),
                 persist_window_ms=round((closed - r.taken) * 1e3, 3),
                 encode_ms=round((encoded - closed) * 1e3, 3),
+                # of which this thread's CPU (encoded here; ~0 when the helper encodes)
+                encode_cpu_ms=round(encode_cpu * 1e3, 3),
                 write_ms=round((written - encoded) * 1e3, 3),
                 segment_blocks=len(batch),
             )

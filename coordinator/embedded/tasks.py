@@ -44,6 +44,7 @@ from coordinator.handles import ChannelStateHandle
 from coordinator.metadata import CompletedCheckpoint, SubtaskState
 from coordinator.options import BarrierMode, RuntimeOptions
 from dstl.fileio import FileIO
+from dstl.gil import yield_to_critical
 from dstl.upload import Uploader
 
 URGENT_POLL_S = 0.002
@@ -135,6 +136,7 @@ class SourceTask:
                 return
             if self._done:
                 continue
+            yield_to_critical()
             batch = self.reader.read(min(batch_size, self.writer.batch_hint()))
             if batch is None:
                 self._finish(final_watermark=True)
@@ -302,6 +304,7 @@ class StreamTask:
             channel, element = item
             if channel != CONTROL:
                 if not isinstance(element, EndOfInput):
+                    yield_to_critical()
                     op.process(inputs[channel], element)
                     self._flush_output()
                 continue

@@ -491,3 +491,52 @@ def test_records_carry_wall_clock_times_not_the_injected_clock(
     assert latest is not None
     assert before - 1 <= latest.triggered_at <= latest.completed_at <= time.time() + 1
     assert latest.stats["duration_ms"] == pytest.approx(200.0)
+
+
+def test_the_tasks_stand_aside_from_the_last_ack_until_the_record_is_applied(
+    store: MetadataStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What follows the last ack is ours alone (dstl.gil critical sections): the hand-off
+    to the committer, the metadata commit and the notifications. Task threads wait at
+    their next batch until it is applied, instead of sharing the GIL with it."""
+    from dstl import gil
+
+    held = Held()
+    h = Harness(store, FileIO(str(tmp_path / "state")), CheckpointOptions(), committer=held)
+    real = store.record_completed_and_reserve
+    open_during: list[int] = []
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        open_during.append(len(gil._critical))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "record_completed_and_reserve", record)
+    h.coord.tick(0.0)
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=100))
+    h.coord.tick(0.1)
+    assert not gil._critical  # an ack is missing: nothing of ours to wait for yet
+    h.coord.acknowledge(1, h.op_state(1, ["a"]))
+    h.coord.tick(0.2)
+    assert [owner for owner, _ in gil._critical.values()] == [None]  # every task waits
+    held.run()
+    assert open_during == [2]  # the record's own section inside the checkpoint's
+    h.coord.tick(0.3)
+    assert h.completed == [(1, None)] and not gil._critical  # applied: closed
+
+
+def test_a_record_that_fails_closes_its_critical_section(
+    store: MetadataStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dstl import gil
+
+    h = _harness(store, tmp_path)
+
+    def fail(*_args: Any, **_kwargs: Any) -> Any:
+        raise MetadataStoreError("the database went away")
+
+    monkeypatch.setattr(store, "record_completed_and_reserve", fail)
+    h.coord.tick(0.0)
+    h.ack_all(1, ["a"])
+    h.coord.tick(0.1)
+    h.coord.tick(0.2)
+    assert [cid for cid, _ in h.aborted] == [1] and not gil._critical

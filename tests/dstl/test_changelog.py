@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 
@@ -131,7 +132,13 @@ def test_a_batch_holding_every_open_writer_closes_without_waiting(fileio: FileIO
         ha, hb = (f.result(timeout=0)[0] for f in futures)
         assert ha.location == hb.location and (ha.block, hb.block) == (0, 1)  # still shared
         timings = b.last_persist_timings()
-        for step in ("persist_queue_ms", "persist_window_ms", "encode_ms", "write_ms"):
+        for step in (
+            "persist_queue_ms",
+            "persist_window_ms",
+            "encode_ms",
+            "encode_cpu_ms",
+            "write_ms",
+        ):
             assert timings[step] >= 0
         assert timings["segment_blocks"] == 2
 
@@ -158,6 +165,42 @@ def test_a_persists_small_batch_is_encoded_here_a_preemptive_one_by_the_helper(
             assert _rows(fileio, second.result(timeout=0)) == [b"v" * 100] * 61
         finally:
             helper.close()
+
+
+def test_only_an_upload_a_persist_waits_for_runs_in_a_critical_section(
+    fileio: FileIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tasks stand aside (dstl.gil) for a barrier's segment, not for the uploads
+    that run beside them between barriers."""
+    from dstl import changelog as changelog_module
+    from dstl import gil
+
+    sections: list[int] = []  # segments written when each section opened
+    real = changelog_module.critical_section
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:
+        sections.append(st.segments_written)
+        with real():
+            yield
+
+    monkeypatch.setattr(changelog_module, "critical_section", recorded)
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        for _ in range(60):  # over the threshold: a pre-emptive upload
+            w.append(0, "s", 1, b"k", None, b"v" * 100)
+        st.drain_once(block=False)
+        assert st.segments_written == 1 and not sections
+        w.append(0, "s", 1, b"k", None, b"tail")
+        future = w.persist(0, 1)
+        # open from the persist on, for every task thread (the persisting one too): the
+        # uploads queued before the barrier's are on its path as well
+        assert [owner for owner, _ in gil._critical.values()] == [None]
+        st.drain_once(block=False)
+        assert future.result(timeout=0) and st.segments_written == 2
+        assert sections == [1]  # the barrier's upload, the second one
+        assert not gil._critical  # closed once it is written
 
 
 def test_preemptive_persist_uploads_above_the_threshold(fileio: FileIO) -> None:

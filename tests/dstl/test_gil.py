@@ -1,12 +1,22 @@
-"""Shorter GIL slices: counted, and the previous interval put back by the last user."""
+"""Shorter GIL slices: counted, and the previous interval put back by the last user.
+Critical sections: task threads stand aside while one of another thread is open, within
+its bound."""
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 
-from dstl.gil import CHECKPOINT_GIL_SLICE_S, GIL_SLICE_S, short_gil_slices
+from dstl import gil
+from dstl.gil import (
+    CHECKPOINT_GIL_SLICE_S,
+    GIL_SLICE_S,
+    critical_section,
+    short_gil_slices,
+    yield_to_critical,
+)
 
 
 def test_short_gil_slices_are_counted_and_restored() -> None:
@@ -37,3 +47,76 @@ def test_the_shortest_slice_asked_for_holds_until_its_user_leaves() -> None:
         outer.__exit__(None, None, None)  # the longer one leaves first
         assert sys.getswitchinterval() == pytest.approx(CHECKPOINT_GIL_SLICE_S)
     assert sys.getswitchinterval() == before
+
+
+def _wait_until_waiting(waiters: int) -> None:
+    """Until ``waiters`` threads wait on the sections' condition (no sleep: the waiters
+    are registered before they block)."""
+    while len(gil._critical_cond._waiters) < waiters:  # type: ignore[attr-defined]
+        threading.Event().wait(0.001)  # a yield to the waiter, not a wait for it to act
+
+
+def test_no_section_open_costs_no_wait() -> None:
+    assert yield_to_critical() == 0.0
+
+
+def test_a_task_waits_until_another_threads_section_ends() -> None:
+    waited: list[float] = []
+    task = threading.Thread(target=lambda: waited.append(yield_to_critical()))
+    with critical_section(max_wait_s=60.0):
+        task.start()
+        _wait_until_waiting(1)
+        assert task.is_alive() and not waited  # standing aside while the section is open
+    task.join(timeout=30)
+    assert not task.is_alive()
+    assert waited and 0 < waited[0] < 30  # released by the end, not by the bound
+    assert not gil._critical
+
+
+def test_a_thread_never_waits_for_its_own_section() -> None:
+    with critical_section(max_wait_s=60.0):
+        assert yield_to_critical() == 0.0
+
+
+def test_a_section_past_its_bound_is_not_waited_for() -> None:
+    with critical_section(max_wait_s=1e-9):  # expired at once: a stalled metadata store
+        task = threading.Thread(target=yield_to_critical)
+        task.start()
+        task.join(timeout=30)
+        assert not task.is_alive()
+
+
+def test_a_bound_of_zero_opens_no_section() -> None:
+    with critical_section(max_wait_s=0.0):
+        assert not gil._critical
+
+
+def test_an_error_in_a_section_closes_it() -> None:
+    with pytest.raises(RuntimeError), critical_section(max_wait_s=60.0):
+        raise RuntimeError("boom")
+    assert not gil._critical
+
+
+def test_a_section_opened_for_every_thread_is_waited_for_by_its_opener_too() -> None:
+    tokens: list[int | None] = []
+    waited: list[float] = []
+
+    def task() -> None:  # a barrier's persist opens it on the task thread itself
+        tokens.append(gil.open_critical(max_wait_s=60.0, owner=None))
+        waited.append(yield_to_critical())
+
+    thread = threading.Thread(target=task)
+    thread.start()
+    _wait_until_waiting(1)
+    gil.close_critical(tokens[0])  # the upload thread, once the segment is written
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert waited and waited[0] > 0 and not gil._critical
+
+
+def test_a_section_never_closed_is_dropped_once_past_its_bound() -> None:
+    token = gil.open_critical(max_wait_s=1e-9, owner=None)
+    assert token is not None and token in gil._critical
+    assert yield_to_critical() < 1.0
+    assert not gil._critical  # nothing left for the fast path to trip over
+    gil.close_critical(token)  # closing it late is harmless
