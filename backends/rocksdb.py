@@ -725,10 +725,12 @@ class RocksDBKeyedStateBackend:
         above the last) beside the compacted last level, repeating keys it holds: at 100k
         uniform keys 10-50% of a snapshot's SST bytes. When they are more than
         ``SNAPSHOT_COMPACT_UPPER`` of the bytes (and at least
-        ``SNAPSHOT_COMPACT_MIN_BYTES``), or a background compaction changed the files
-        while the checkpoint was taken, the snapshot's copy is compacted on the upload
+        ``SNAPSHOT_COMPACT_MIN_BYTES``), the snapshot's copy is compacted on the upload
         thread before its files are read (:meth:`RocksDBSnapshot.compact_copy`): one
-        level, each key once, after the boundary, off the task thread.
+        level, each key once, after the boundary, off the task thread. The levels are
+        the store's file list from before the checkpoint, or from after it when a
+        background compaction ended meanwhile (deciding on that alone compacted, and
+        so re-uploaded whole, a third of the snapshots of a hot-key state).
         """
         self._check_open()
         self._preflush = 0
@@ -743,7 +745,12 @@ class RocksDBKeyedStateBackend:
             shutil.rmtree(directory, ignore_errors=True)
             raise LocalStoreError(f"RocksDB checkpoint into {cp} failed ({exc})") from exc
         ssts = {n for n in os.listdir(cp) if n.endswith(".sst")}
-        compact = ssts != {f["name"].lstrip("/") for f in live} or _worth_compacting(live)
+        # The checkpoint's files, with their levels from before or (a background
+        # compaction ended meanwhile) after it; levels unknown: compact.
+        levels = {f["name"].lstrip("/"): f for f in live}
+        if not ssts <= levels.keys():
+            levels.update((f["name"].lstrip("/"), f) for f in self._db.live_files())
+        compact = not ssts <= levels.keys() or _worth_compacting([levels[n] for n in ssts])
         return RocksDBSnapshot(
             sqn, self.key_group_range, directory, cp, self.metadata(), compact=compact
         )
