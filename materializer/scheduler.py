@@ -34,10 +34,9 @@ store's 0.2, whose compacted SSTs take ~0.9x the live state at 100k keys where t
 tables take ~0.6x, so at 0.4 its full checkpoint passed 1.5x the live state), else
 :data:`DEFAULT_MAX_LOG_RATIO`. The default 0.4 starts one at about the log it started
 at when it was 0.25 and the heap's tables took ~1.45x the bytes they take now (before
-their keys were delta-encoded): each
-materialization costs the task (a fork's copy-on-write faults), and at 0.25 the smaller
-tables made it materialize ~45% more often (100k uniform keys: 320 instead of 220 in
-30 s, 22% fewer records/s).
+their keys were delta-encoded): each materialization costs the task (a fork's
+copy-on-write faults), and at 0.25 the smaller tables made it materialize ~45% more
+often (100k uniform keys: 320 instead of 220 in 30 s, 22% fewer records/s).
 ``max_consecutive_failures`` failures in a row raise
 :class:`~materializer.errors.MaterializationFailuresExceededError`, which fails the task;
 a success resets the count. Until then a failure only means checkpoints keep referencing
