@@ -346,6 +346,8 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     assert not few.compact
     last_level = {f.name for f in few.files() if f.name.endswith(".sst")}
     few.release()
+    while not b.prepare_snapshot():  # a materialization's snapshot again
+        assert time.monotonic() < deadline, "the background compaction did not finish"
     for i in range(keys):  # every key again: an L0 file as large as the last level
         b.set_current_key(f"k{i}")
         s.update(-i)
@@ -372,6 +374,30 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     for key, value in (("k0", 7), ("k5", -5), (f"k{keys - 1}", 1 - keys)):  # the store's own
         b.set_current_key(key)
         assert s.value() == value
+
+
+def test_a_snapshot_prepare_snapshot_did_not_compact_for_keeps_the_stores_files(
+    factory: Factory,
+) -> None:
+    """A checkpoint with the changelog off snapshots without prepare_snapshot: however
+    much sits above the last level, its copy is not compacted (that would rewrite and
+    upload the whole state at every checkpoint): its files are the ones the store had."""
+    b = factory.store("rocksdb")
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    for value in (1, 2):  # every key twice: much of it above the last level
+        for i in range(40_000):
+            b.set_current_key(f"k{i}")
+            s.update(value * i)
+        b._flush_memtable()
+    snap = b.snapshot()
+    try:
+        before = {n for n in os.listdir(snap.checkpoint_dir) if n.endswith(".sst")}
+        assert len(_sst_facts(snap.checkpoint_dir)[2]) > 1  # files on several levels
+        assert not snap.compact
+        uploaded = {f.name for f in snap.files() if f.name.endswith(".sst")}
+        assert uploaded == before  # not rewritten
+    finally:
+        snap.release()
 
 
 def test_the_rocksdb_store_names_its_own_log_ratio(factory: Factory) -> None:
