@@ -8,15 +8,14 @@ for the GIL (a 1 ms switch interval only traded one for the other). With ``fork(
 synchronous part is the fork (the page tables), the child holds the state as of the fork
 (copy-on-write), and encodes the pieces (:func:`backends.tables.state_files`) with its
 own interpreter on another core (columnar states it exports itself, from its copy:
-:meth:`~backends.heap.HeapKeyedStateBackend.export_columns`); the upload thread of the parent only reads the finished
-pieces from a pipe and uploads them.
+:meth:`~backends.heap.HeapKeyedStateBackend.export_columns`); the upload thread of the
+parent only reads the finished pieces from a pipe and uploads them.
 
 :func:`materialization_snapshot` picks the way: a fork for a heap store of at least
 :data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, else the store's own
 snapshot (a heap store copies its dicts and columns:
 :meth:`~backends.heap.HeapKeyedStateBackend.column_snapshot`). A fork that fails (no
-memory for the page
-tables, a process limit) falls back to the copy.
+memory for the page tables, a process limit) falls back to the copy.
 
 The child (:func:`_child`) runs nothing but this module's loop and
 :func:`~backends.tables.state_files`, with every module it needs imported before the
