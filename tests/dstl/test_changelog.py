@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -14,6 +15,7 @@ from dstl.changelog import ChangelogOptions
 from dstl.encoder import SegmentEncoder
 from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
+from tests.dstl.faults import STALL_LIMIT_S, FaultyFileIO
 
 
 @pytest.fixture
@@ -366,3 +368,33 @@ def test_log_size_counts_what_a_persist_would_reference(
     boundary = w.next_sqn()
     w.truncate(boundary)  # materialized: nothing left to reference
     assert w.log_size() == (0, 0)
+
+
+def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path) -> None:
+    """A persist's batch is encoded and written while a pre-emptive upload is still
+    being written (it used to wait for it on the one upload thread); the persist still
+    completes only once both are durable, and the tasks stand aside until then."""
+    from dstl import gil
+
+    fio = FaultyFileIO(str(tmp_path))
+    fio.script("stall")  # the pre-emptive segment's write
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fio, "job", "w0", opts) as st:
+        w = st.create_writer("a")
+        for i in range(60):  # over the threshold: a pre-emptive upload
+            w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
+        assert fio.stalled.wait(STALL_LIMIT_S)
+        w.append(0, "s", 1, b"k", None, b"tail")
+        persisted = w.persist(0, 1)
+        tail = w._uploads[-1]
+        with gil._critical_cond:  # the persist's own section: every task thread waits
+            (critical,) = (t for t, (owner, _) in gil._critical.items() if owner is None)
+        tail_handle = tail.future.result(timeout=STALL_LIMIT_S)  # written beside the stall
+        assert not persisted.done()
+        assert critical in gil._critical  # the barrier still waits: the tasks stand aside
+        fio.release.set()
+        handles = persisted.result(timeout=STALL_LIMIT_S)
+        assert handles[-1] == tail_handle and handles[0].location != tail_handle.location
+        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 61
+        st.close()  # joins the lane: every callback has run
+        assert critical not in gil._critical
