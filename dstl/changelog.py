@@ -533,14 +533,18 @@ class ChangelogStorage:
         self._attempts = ThreadPoolExecutor(
             max_workers=2 * self._policy.max_attempts, thread_name_prefix=f"dstl-attempt-{worker}"
         )
-        # Pre-emptive batches are uploaded here, one at a time in submission order, so
-        # the upload thread is free for a barrier's batch meanwhile (see _dispatch).
-        # Without a thread of our own (tests), they upload in drain_once as before.
-        self._lane: ThreadPoolExecutor | None = None
-        self._lane_tail: Future[None] | None = None  # upload thread only
+        # Pre-emptive batches upload on the lane, so the upload thread is free for a
+        # barrier's batch meanwhile (see _dispatch). Without threads of our own (tests),
+        # drain_once uploads them itself.
+        self._lane: _Lane | None = None
+        self._lane_thread: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         if start_thread:
-            self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"dstl-preempt-{worker}")
+            self._lane = _Lane(self.options.batch_max_bytes)
+            self._lane_thread = threading.Thread(
+                target=self._run_lane, name=f"dstl-preempt-{worker}", daemon=True
+            )
+            self._lane_thread.start()
             self._thread = threading.Thread(
                 target=self._run, name=f"dstl-upload-{worker}", daemon=True
             )
@@ -664,26 +668,46 @@ class ChangelogStorage:
         taken meanwhile waited for it (persist_queue_ms spikes of 7-18 ms, the largest
         part of the operator's async p99) before its own encoding even began. Now the two
         overlap: the barrier's tail is encoded and written while the helper encodes the
-        pre-emptive batch. Pre-emptive batches stay in submission order among themselves;
-        nothing depends on segments being written in sqn order (a handle names its file,
-        and :mod:`dstl.tracking` tracks each block by itself).
+        pre-emptive batch. The lane uploads what waits for it as one segment, and a
+        barrier's batch takes along what still waits (as the one upload thread batched
+        them), so a backlog is not written a file per request. Nothing depends on
+        segments being written in sqn order (a handle names its file, and
+        :mod:`dstl.tracking` tracks each block by itself).
         """
-        if self._lane is None or any(r.urgent for r in batch):
+        lane = self._lane
+        if lane is None:
             self._upload(batch)
+        elif not any(r.urgent for r in batch):
+            lane.put(batch)
         else:
-            self._lane_tail = self._lane.submit(self._upload_or_fail, batch)
+            # Pre-emptive requests still waiting for the lane join the barrier's segment
+            # (the persist waits for them anyway: one file, not one each); the tasks stand
+            # aside until the one the lane is uploading now is written too.
+            waiting, running = lane.steal()
+            self._upload(waiting + batch, running)
 
-    def _upload_or_fail(self, batch: list[_Request]) -> None:
-        """:meth:`_upload_batch` on the lane: an unexpected error fails the batch's
-        futures, so no persist waits for them forever."""
+    def _run_lane(self) -> None:
+        assert self._lane is not None
+        while self._upload_preemptive_once(self._lane):
+            pass
+
+    def _upload_preemptive_once(self, lane: _Lane) -> bool:
+        """The lane's step: upload the pre-emptive requests waiting (as one segment, up to
+        ``batch_max_bytes``); False once the lane is closed and empty."""
+        batch = lane.take()
+        if batch is None:
+            return False
         try:
             self._upload_batch(batch)
-        except BaseException as exc:
+        except BaseException as exc:  # fail the futures: no persist waits for them forever
             log.exception("segment upload crashed worker=%s", self.worker)
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(exc)
             raise
+        finally:
+            lane.done()
+        return True
 
     def _write_attempt(self, path: str, data: bytes | memoryview) -> None:
         with self._lock:
@@ -702,19 +726,20 @@ class ChangelogStorage:
             nonce = f"{self._nonces.getrandbits(48):012x}"
         return layout.segment_path(self.job, self.worker, counter, nonce)
 
-    def _upload(self, batch: list[_Request]) -> None:
+    def _upload(self, batch: list[_Request], before: Future[None] | None = None) -> None:
+        """Upload ``batch`` on this thread; one a persist waits for in a critical section,
+        whose tasks' stand-aside ends once ``before`` (the lane's upload) is done too."""
         if not any(r.urgent for r in batch):
             self._upload_batch(batch)
             return
-        before = self._lane_tail  # pre-emptive uploads the barrier's persist waits for too
         try:  # a barrier waits for it: the tasks stand aside (a bound of its own)
             with critical_section():
                 self._upload_batch(batch)
         finally:
             tokens = [r.critical for r in batch]
-            if before is None or before.done():
+            if before is None:
                 _close_all(tokens)
-            else:  # ...until the lane's uploads queued before it are written too
+            else:  # runs at once if it is done already
                 before.add_done_callback(lambda _f: _close_all(tokens))
 
     def _upload_batch(self, batch: list[_Request]) -> None:
@@ -808,13 +833,68 @@ class ChangelogStorage:
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join()
-            if self._lane is not None:
-                self._lane.shutdown(wait=True)
+            if self._lane is not None and self._lane_thread is not None:
+                self._lane.close()
+                self._lane_thread.join()
         else:
             while self.drain_once(block=False):
                 if self._queue.empty():
                     break
         self._attempts.shutdown(wait=True)
+
+
+class _Lane:
+    """Pre-emptive requests waiting for the lane thread, and the batch it is uploading.
+
+    Thread-safe: guarded by ``self._cond``. The upload thread puts and steals; the lane
+    thread takes a batch and reports it done; :meth:`close` ends the taking once empty.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._cond = threading.Condition()
+        self._max_bytes = max_bytes
+        self._waiting: list[_Request] = []
+        self._running: Future[None] | None = None  # done when the taken batch is uploaded
+        self._closed = False
+
+    def put(self, batch: list[_Request]) -> None:
+        with self._cond:
+            self._waiting.extend(batch)
+            self._cond.notify()
+
+    def steal(self) -> tuple[list[_Request], Future[None] | None]:
+        """The requests not taken yet (now the caller's), and the upload in progress."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+            return waiting, self._running
+
+    def take(self) -> list[_Request] | None:
+        """The next batch (blocks while none waits): the oldest requests, at least one,
+        up to ``max_bytes``; None once closed and empty."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._waiting) or self._closed)
+            if not self._waiting:
+                return None
+            size, n = 0, 0
+            for r in self._waiting:
+                if n and size + r.nbytes > self._max_bytes:
+                    break
+                size, n = size + r.nbytes, n + 1
+            batch, self._waiting = self._waiting[:n], self._waiting[n:]
+            self._running = Future()
+            return batch
+
+    def done(self) -> None:
+        """The batch :meth:`take` returned is uploaded (or failed)."""
+        with self._cond:
+            running, self._running = self._running, None
+        if running is not None:
+            running.set_result(None)  # callbacks (closing critical sections) run here
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
 
 
 def _close_all(tokens: list[int | None]) -> None:

@@ -372,8 +372,9 @@ def test_log_size_counts_what_a_persist_would_reference(
 
 def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path) -> None:
     """A persist's batch is encoded and written while a pre-emptive upload is still
-    being written (it used to wait for it on the one upload thread); the persist still
-    completes only once both are durable, and the tasks stand aside until then."""
+    being written (it used to wait for it on the one upload thread), taking along the
+    pre-emptive requests not started yet; the persist still completes only once all are
+    durable, and the tasks stand aside until then."""
     from dstl import gil
 
     fio = FaultyFileIO(str(tmp_path))
@@ -384,6 +385,8 @@ def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path
         for i in range(60):  # over the threshold: a pre-emptive upload
             w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
         assert fio.stalled.wait(STALL_LIMIT_S)
+        for i in range(60):  # another one, waiting for the lane
+            w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
         w.append(0, "s", 1, b"k", None, b"tail")
         persisted = w.persist(0, 1)
         tail = w._uploads[-1]
@@ -395,6 +398,8 @@ def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path
         fio.release.set()
         handles = persisted.result(timeout=STALL_LIMIT_S)
         assert handles[-1] == tail_handle and handles[0].location != tail_handle.location
-        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 61
+        assert handles[1].location == tail_handle.location  # one file for the backlog
+        assert len(fio.writes) == 2
+        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 121
         st.close()  # joins the lane: every callback has run
         assert critical not in gil._critical
