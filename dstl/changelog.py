@@ -699,12 +699,11 @@ class ChangelogStorage:
             return False
         try:
             self._upload_batch(batch)
-        except BaseException as exc:  # fail the futures: no persist waits for them forever
+        except Exception as exc:  # a bug: fail the futures, so no persist waits forever
             log.exception("segment upload crashed worker=%s", self.worker)
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(exc)
-            raise
         finally:
             lane.done()
         return True

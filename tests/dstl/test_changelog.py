@@ -403,3 +403,22 @@ def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path
         assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 121
         st.close()  # joins the lane: every callback has run
         assert critical not in gil._critical
+
+
+def test_a_preemptive_upload_failed_on_the_lane_is_uploaded_again_by_the_persist(
+    tmp_path: Path,
+) -> None:
+    fio = FaultyFileIO(str(tmp_path))
+    fio.script("fatal")  # the pre-emptive segment's only attempt
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fio, "job", "w0", opts) as st:
+        w = st.create_writer("a")
+        for i in range(60):
+            w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
+        failed = w._uploads[0].future.exception(timeout=STALL_LIMIT_S)
+        assert isinstance(failed, StateBackendError)
+        w.append(0, "s", 1, b"k", None, b"tail")
+        handles = w.persist(0, 1).result(timeout=STALL_LIMIT_S)
+        assert [(h.sqn_start, h.sqn_end) for h in handles] == [(0, 1), (1, 2)]
+        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 61
+        assert st.budget.used == 0
