@@ -8,6 +8,7 @@ more each, per record); the stores' raw value states now read the default themse
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -29,11 +30,17 @@ def python_calls(fn: Callable[[], object]) -> int:
         if event == "call":
             calls += 1
 
+    # A collection during fn would count the finalizers it runs (an extra call that
+    # depends on what earlier tests left behind, not on fn).
+    enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if enabled:
+            gc.enable()
     return calls
 
 
