@@ -405,11 +405,11 @@ class ChangelogWriter:
     def last_persist_timings(self) -> dict[str, float]:
         """Where the last :meth:`persist`'s newest upload spent its time, in ms: waiting
         for the upload thread (``persist_queue_ms``), in the sharing window
-        (``persist_window_ms``; for a pre-emptive upload, also waiting for the lane), encoding (``encode_ms``; ``encode_cpu_ms`` of it the
-        upload thread's CPU), writing durably (``write_ms``), and the segment's
-        ``segment_blocks``. The upload thread fills the dict before the
-        persist's future completes; read it after that. Empty for a persist with nothing
-        to upload."""
+        (``persist_window_ms``; for a pre-emptive upload, also waiting for the lane),
+        encoding (``encode_ms``; ``encode_cpu_ms`` of it the upload thread's CPU), writing
+        durably (``write_ms``), and the segment's ``segment_blocks``. The upload thread
+        fills the dict before the persist's future completes; read it after that. Empty
+        for a persist with nothing to upload."""
         return self._last_timings
 
     def truncate(self, to_sqn: int) -> None:
