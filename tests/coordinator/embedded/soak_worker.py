@@ -22,7 +22,7 @@ from tools.demo_job import DemoConfig, pipeline
 # running at that pace, so the attempts that get killed never reach its end before the
 # parent saw its 1,000 checkpoints, down to 3 checkpoints per second (a loaded machine with
 # the rest of the suite beside it ran at 4.4/s and used up the 133 s that 40,000 events
-# lasted, at checkpoint 584).
+# lasted, at checkpoint 534).
 CONFIG = DemoConfig(events_per_source=100_000, users=300, rate_per_source=300.0)
 
 
