@@ -400,7 +400,8 @@ def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path
         assert handles[-1] == tail_handle and handles[0].location != tail_handle.location
         assert handles[1].location == tail_handle.location  # one file for the backlog
         assert len(fio.writes) == 2
-        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 121
+        rows = _rows(fio, handles)
+        assert rows[-1] == b"tail" and len(rows) == 121
         st.close()  # joins the lane: every callback has run
         assert critical not in gil._critical
 
@@ -420,5 +421,6 @@ def test_a_preemptive_upload_failed_on_the_lane_is_uploaded_again_by_the_persist
         w.append(0, "s", 1, b"k", None, b"tail")
         handles = w.persist(0, 1).result(timeout=STALL_LIMIT_S)
         assert [(h.sqn_start, h.sqn_end) for h in handles] == [(0, 1), (1, 2)]
-        assert _rows(fio, handles)[-1] == b"tail" and len(_rows(fio, handles)) == 61
+        rows = _rows(fio, handles)
+        assert rows[-1] == b"tail" and len(rows) == 61
         assert st.budget.used == 0
