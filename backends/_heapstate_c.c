@@ -524,7 +524,8 @@ typedef struct {
     int64_t *hkeys;  /* ... and then this open-addressing index holds them instead */
     Py_ssize_t *hslots; /* -1: empty */
     Py_ssize_t hcap;    /* a power of two, or 0 */
-    PyObject *keys;  /* list: slot -> key (None: free) */
+    PyObject *keys;  /* list: slot -> key (None: free); see keys_tracked */
+    int keys_tracked; /* ``keys`` is tracked by the cyclic GC (see cs_keep_key) */
     int32_t *kgs;
     int64_t *vals;
     int64_t *ikeys; /* slot -> key, while ``slots`` is NULL (every key an int64) */
@@ -560,6 +561,7 @@ cs_init(PyObject *op, PyObject *args, PyObject *kwds)
     if (self->keys == NULL) {
         return -1;
     }
+    PyObject_GC_UnTrack(self->keys); /* until a key needs it: cs_keep_key */
     self->as_float = kind[0] == 'd';
     self->backend = (KeyContext *)Py_NewRef(backend);
     return 0;
@@ -680,6 +682,23 @@ static inline int cs_int_key(PyObject *key, int64_t *out);
 static int cs_index_add(ColumnStore *s, PyObject *key, Py_ssize_t i);
 static int cs_index_del(ColumnStore *s, PyObject *key);
 
+/* The key list stays out of the cyclic GC while no key in it is tracked by the GC, as
+ * CPython keeps a dict or tuple of atomic objects out (exact int and str keys are never
+ * tracked, and a hashable object untracked once is never tracked again). A full
+ * collection walks every tracked container, and the list of 1M int keys cost ~40 ms of
+ * a gen-2 pass per state, the GIL held, all threads stopped (issue 16). The first key
+ * the GC tracks (a tuple of objects, an instance) puts the list back in the GC, for
+ * good, so cycles through keys are still collected. Untracked, the list is walked by no
+ * collection: its objects count as referenced from outside, which is safe. */
+static void
+cs_keep_key(ColumnStore *s, PyObject *key)
+{
+    if (!s->keys_tracked && PyObject_GC_IsTracked(key)) {
+        PyObject_GC_Track(s->keys);
+        s->keys_tracked = 1;
+    }
+}
+
 static Py_ssize_t
 cs_slot(ColumnStore *s, PyObject *key, PyObject *group)
 {
@@ -703,6 +722,7 @@ cs_slot(ColumnStore *s, PyObject *key, PyObject *group)
     if (cs_index_add(s, key, i) < 0) {
         return -1;
     }
+    cs_keep_key(s, key);
     if (reuse) {
         if (PyList_SetItem(s->keys, i, Py_NewRef(key)) < 0) {
             return -1;
