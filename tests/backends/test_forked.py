@@ -107,6 +107,23 @@ def test_pieces_of_the_default_size_and_of_fixed_key_group_chunks(reaped: list[i
         assert got == want
 
 
+def test_only_a_large_state_s_child_runs_below_the_task_s_priority(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small state's child encodes for milliseconds: at the task's priority it ends
+    sooner, and a small state's full checkpoint depends on that (NICE_MIN_ENTRIES)."""
+    b = _backend(500)
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    for min_entries, niceness in ((b.entry_count() + 1, own), (b.entry_count(), own + 10)):
+        monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", min_entries)
+        snap = fork_snapshot(b, 1)
+        assert isinstance(snap, ForkedSnapshot)
+        reaped.append(snap.pid)
+        assert os.getpriority(os.PRIO_PROCESS, snap.pid) == min(niceness, 19)
+        assert _pieces(snap.pieces(PIECE_ROWS)) == _pieces(state_files(b.snapshot(1), PIECE_ROWS))
+        snap.release()
+
+
 def test_a_released_snapshot_stops_and_reaps_its_child(reaped: list[int]) -> None:
     b = _backend(500)
     snap = fork_snapshot(b, 1)
