@@ -685,8 +685,8 @@ static int cs_index_del(ColumnStore *s, PyObject *key);
 /* The key list stays out of the cyclic GC while no key in it is tracked by the GC, as
  * CPython keeps a dict or tuple of atomic objects out (exact int and str keys are never
  * tracked, and a hashable object untracked once is never tracked again). A full
- * collection walks every tracked container, and the list of 1M int keys cost ~40 ms of
- * a gen-2 pass per state, the GIL held, all threads stopped (issue 16). The first key
+ * collection walks every tracked container, and the list of 1M int keys cost 8-15 ms
+ * of a gen-2 pass per state, the GIL held, all threads stopped (issue 16). The first key
  * the GC tracks (a tuple of objects, an instance) puts the list back in the GC, for
  * good, so cycles through keys are still collected. Untracked, the list is walked by no
  * collection: its objects count as referenced from outside, which is safe. */

@@ -122,7 +122,7 @@ def _key_list(store: Any) -> list[Any]:
 
 def test_the_key_list_stays_out_of_the_gc_until_a_key_needs_it() -> None:
     """A full collection walks every tracked container: a list of 1M int keys held the
-    GIL ~40 ms per state (issue 16). The C store keeps it untracked while no key is
+    GIL 8-15 ms per state (issue 16). The C store keeps it untracked while no key is
     tracked, and tracks it for good once one is, so a cycle through a key is collected."""
 
     class Key:
