@@ -40,8 +40,15 @@ class _Attempt:
         )
         self.checkpoints: list[dict[str, Any]] = []
         self.first = threading.Event()
+        self._err: list[str] = []
+        # stdout and stderr each on a reader thread of their own: communicate() would
+        # read (and close) the stdout the checkpoint reader iterates
         self._reader = threading.Thread(target=self._read, name="test-reader", daemon=True)
         self._reader.start()
+        self._err_reader = threading.Thread(
+            target=self._read_err, name="test-reader-err", daemon=True
+        )
+        self._err_reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -53,10 +60,15 @@ class _Attempt:
             self.first.set()
         self.first.set()  # ended
 
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        self._err.append(self.proc.stderr.read())
+
     def finish(self, timeout: float) -> tuple[int, str]:
-        _, err = self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout=timeout)
         self._reader.join()
-        return self.proc.returncode, err
+        self._err_reader.join()
+        return self.proc.returncode, "".join(self._err)
 
 
 def _run_with_kills(args: list[str], seed: int) -> tuple[int, list[dict[str, Any]]]:
