@@ -141,7 +141,7 @@ def fork_snapshot(
     if pid == 0:  # pragma: no cover - the child; its exit ends this branch
         _child(backend, view, req_r, out_w)
     if nice:  # here, not in the child: set when this returns
-        with contextlib.suppress(OSError):  # it exited already
+        with contextlib.suppress(OSError):  # it exited already, or a policy forbids it
             os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
     os.close(req_r)
     os.close(out_w)
