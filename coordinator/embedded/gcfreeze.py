@@ -8,7 +8,8 @@ machine in the end-to-end bench (heap store, 1M keys), once every 15-30 s of the
 at whatever moment: a record's latency and a checkpoint's own part took all of it
 (issue 16; measured with ``gc.callbacks``). :func:`frozen_heap` moves them to the
 permanent generation (:func:`gc.freeze`) for the run: a full collection then walks only
-what the run allocated since, 2-3 ms in the same bench. Collections happen as before.
+what the run allocated since, 2-10 ms (1.7-5.3 ms of CPU) in the same bench. Collections
+happen as before.
 
 What it costs: a cycle among frozen objects that becomes garbage during the run is freed
 only after the run, when :func:`gc.unfreeze` hands the frozen objects back to the oldest
