@@ -1,0 +1,54 @@
+"""The end-to-end benchmark's headline: which cases each field is taken from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tools.bench.end_to_end import _headline
+
+
+def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **kw: Any) -> dict:
+    case = {
+        "system": "ours",
+        "store": store,
+        "changelog": "on",
+        "pattern": pattern,
+        "keys": keys,
+        "space_amp": amp,
+        "records_per_s": 1000,
+        "restore_s": 1.0,
+        "replay_per_s": 2e6 if pattern == "long-log" else 1e5,
+        "mat_max_s": 0.5,
+        "mat_throughput_ratio": 0.95,
+        "own_p99_ms": 10.0,
+        "own_old_p99_ms": 8.0,
+        "own_steps": {},
+        "mat_sync_p50_ms": 1.0,
+        "mat_sync_max_ms": 2.0,
+    }
+    case.update(kw)
+    return case
+
+
+def test_space_amplification_headline_is_uniform_keys_with_hot_beside_it() -> None:
+    cases = [
+        _case("heap", "uniform", 1.32),
+        _case("rocksdb", "uniform", 1.40),
+        _case("heap", "hot", 1.55),
+        _case("rocksdb", "hot", 1.22),
+        _case("heap", "uniform", 1.45, keys=100_000),
+        _case("rocksdb", "uniform", 1.23, keys=100_000),
+        _case("heap", "long-log", 11.2),  # materialization off: no target
+        _case("heap", "uniform", 0.8, changelog="off"),
+        _case("heap", "uniform", 9.0, system="flink"),
+    ]
+    out = _headline(cases, None)
+    assert out["space_amplification"] == 1.45  # the 100k heap case is the worst uniform one
+    assert out["space_amplification_hot"] == 1.55
+    assert out["replay_changes_per_s"] == 2e6
+
+
+def test_space_amplification_without_hot_cases_is_none() -> None:  # a --quick run
+    out = _headline([_case("heap", "uniform", 1.3), _case("rocksdb", "uniform", 1.2)], None)
+    assert out["space_amplification"] == 1.3
+    assert out["space_amplification_hot"] is None
