@@ -27,6 +27,14 @@ that it holds no lock file, socket or output pipe of the parent). It always ends
 ``os._exit``. It exits on its own when the parent goes away: its request read returns
 end of file, or its next write fails with a broken pipe.
 
+While a critical section of the parent is open (our own part of a checkpoint, see
+:mod:`dstl.gil`) the child is stopped (``SIGSTOP``, at most
+:data:`~dstl.gil.PAUSE_MAX_S`; :func:`~dstl.gil.pause_during_critical` says what it
+saves). A stopped child would never see its parent go away, so it leads a process group
+of its own: when the parent dies, the group is orphaned, and the kernel sends a group
+with a stopped member ``SIGHUP`` (which ends the child) and ``SIGCONT`` (POSIX's rule
+for orphaned process groups).
+
 Wire format (private; both ends are this file): the parent writes one little-endian
 int64, the piece size in rows (``-1``: ``None``), then closes its end of the request
 pipe. The child answers with frames: two little-endian int64 (header length, data
@@ -47,6 +55,7 @@ import os
 import select
 import signal
 import struct
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -60,6 +69,7 @@ from backends.heap import HeapKeyedStateBackend, StateSnapshot
 from backends.keygroups import KeyGroupRange
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
+from dstl.gil import forget_paused, pause_during_critical, resume_overdue
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +104,7 @@ kills it): a child that deadlocked must not hold the materialization in flight f
 _FRAME = struct.Struct("<qq")
 _REQUEST = struct.Struct("<q")
 _PIPE_BYTES = 1 << 20  # fewer reads (each a GIL hand-off on the upload thread)
+_POLL_SLICE_S = 0.02  # how often a reader waiting for the child checks its stop's bound
 
 
 def materialization_snapshot(backend: Any, sqn: int | None) -> MaterializationSnapshot:
@@ -140,9 +151,12 @@ def fork_snapshot(
         return backend.column_snapshot(sqn)
     if pid == 0:  # pragma: no cover - the child; its exit ends this branch
         _child(backend, view, req_r, out_w)
+    with contextlib.suppress(OSError):  # here too, so it holds when this returns
+        os.setpgid(pid, pid)
     if nice:  # here, not in the child: set when this returns
         with contextlib.suppress(OSError):  # it exited already, or a policy forbids it
             os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    pause_during_critical(pid)
     os.close(req_r)
     os.close(out_w)
     with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
@@ -239,6 +253,7 @@ class ForkedSnapshot:
 def _reap(owner: int, pid: int, fds: list[int]) -> None:
     if os.getpid() != owner:  # a fork of the owner (at its exit): neither is its own
         return
+    forget_paused(pid)
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -248,6 +263,20 @@ def _reap(owner: int, pid: int, fds: list[int]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def _poll(poller: select.poll) -> bool:
+    """Wait up to :data:`READ_TIMEOUT_S` for the child's next bytes (False: none came),
+    continuing it meanwhile should a critical section keep it stopped too long (the
+    bound of :func:`~dstl.gil.pause_during_critical` holds even if nothing else runs)."""
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while True:
+        wait_s = min(_POLL_SLICE_S, deadline - time.monotonic())
+        if wait_s <= 0:
+            return False
+        if poller.poll(wait_s * 1e3):
+            return True
+        resume_overdue()
 
 
 def _read(fd: int, n: int) -> bytes:
@@ -264,7 +293,7 @@ def _read(fd: int, n: int) -> bytes:
             if poller is None:
                 poller = select.poll()
                 poller.register(fd, select.POLLIN)
-            if not poller.poll(READ_TIMEOUT_S * 1e3):
+            if not _poll(poller):
                 raise SnapshotProcessError(
                     f"the snapshot process sent nothing for {READ_TIMEOUT_S:.0f} s"
                 ) from None
@@ -288,7 +317,8 @@ def _child(
     code = 1
     try:
         gc.disable()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        os.setpgid(0, 0)  # a group of its own: see the module docstring
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         _close_inherited(request_fd, out_fd)
         pa.set_memory_pool(pa.system_memory_pool())

@@ -78,6 +78,7 @@ from dstl.gil import (
     close_critical,
     critical_section,
     open_critical,
+    resume_overdue,
     short_gil_slices,
 )
 from dstl.options import Converter, parse_dotted
@@ -322,6 +323,7 @@ class CheckpointCoordinator:
     # -- the coordinator thread's steps -------------------------------------------------
     def tick(self, now: float) -> None:
         """Apply acks/declines, expire timed-out checkpoints, trigger if one is due."""
+        resume_overdue()  # the bound of a stopped helper holds even if no task runs
         self.drain(now)
         self.expire(now)
         if self._due(now):

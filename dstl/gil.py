@@ -9,13 +9,17 @@ previous interval back.
 
 For the few milliseconds of a checkpoint's own critical steps, shorter slices are not
 enough: :func:`critical_section` makes the task threads stand aside
-(:func:`yield_to_critical`, called between batches of records) until the step is done.
+(:func:`yield_to_critical`, called between batches of records) until the step is done,
+and stops the helper processes registered with :func:`pause_during_critical` (a heap
+materialization's forked encoder) for as long, at most :data:`PAUSE_MAX_S`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import signal
 import sys
 import threading
 import time
@@ -88,7 +92,9 @@ def open_critical(max_wait_s: float | None = None, owner: int | None = _MINE) ->
     token = next(_critical_tokens)
     who = threading.get_ident() if owner == _MINE else owner
     with _critical_cond:
-        _critical[token] = (who, time.monotonic() + wait_s)
+        now = time.monotonic()
+        _critical[token] = (who, now + wait_s)
+        _pause_locked(now)
     return token
 
 
@@ -100,6 +106,8 @@ def close_critical(token: int | None) -> None:
     with _critical_cond:
         if _critical.pop(token, None) is not None:
             _critical_cond.notify_all()
+        if not _critical:
+            _resume_locked(hold_off=False)
 
 
 @contextlib.contextmanager
@@ -141,8 +149,95 @@ def yield_to_critical() -> float:
         while True:
             for token in [t for t, (_, d) in _critical.items() if d <= now]:
                 del _critical[token]  # past its bound: never waited for again
+            if _critical:
+                _resume_overdue_locked(now)
+            else:
+                _resume_locked(hold_off=False)
             deadline = max((d for owner, d in _critical.values() if owner != me), default=None)
             if deadline is None:
                 return now - started
             _critical_cond.wait(deadline - now)
             now = time.monotonic()
+
+
+PAUSE_MAX_S = CRITICAL_WAIT_MAX_S
+"""How long a registered process stays stopped at most, from the opening of the section
+that stopped it. Past it, it runs until every section open then has closed."""
+
+_paused: set[int] = set()  # pids stopped while a section is open (under _critical_cond)
+_stopped_since: float | None = None  # when the current stop began; None: none (they run)
+_hold_off = False  # overdue: not stopped again until no section is open
+
+
+def pause_during_critical(pid: int) -> None:
+    """Stop process ``pid`` (``SIGSTOP``) while a critical section is open, and continue it
+    (``SIGCONT``) when the last one closes or after :data:`PAUSE_MAX_S`, whichever comes
+    first; until :func:`forget_paused`. Any thread.
+
+    Why: a heap materialization's forked child encodes on the core the task threads
+    leave free when they stand aside, and our own critical steps (the barrier's segment,
+    the metadata commit) then share the machine's caches and memory bandwidth with it.
+    End-to-end worker, heap, 1M uniform keys, 30 checkpoints a run, 14 runs with the
+    child stopped against 11 without (alternated): the own part of a checkpoint p50 /
+    p90 / p95 15.8 / 23.8 / 27.9 ms against 17.3 / 26.9 / 31.9 ms, 21% of checkpoints
+    over 20 ms against 30%; records/s, the materializations' pace and (at 100k keys) the
+    full checkpoint's size unchanged. Not the p99 (39.2 ms both): a few barrier segments
+    whose encoding takes 3-4x its usual CPU set it. Only stopping it does that: at
+    ``SCHED_IDLE`` it still ran on the free core (p90 26.6-30.8 ms in two runs).
+
+    The caller must make sure the process cannot outlive it stopped: a stopped process
+    never reads the end of file that tells it its parent died (see
+    :func:`backends.forked.fork_snapshot`: the child leads its own process group, which
+    the kernel sends ``SIGHUP`` and ``SIGCONT`` once orphaned).
+    """
+    with _critical_cond:
+        _paused.add(pid)
+        if _stopped_since is not None:
+            _signal(pid, signal.SIGSTOP)
+
+
+def forget_paused(pid: int) -> None:
+    """Never stop ``pid`` again, and continue it if it is stopped now. Any thread."""
+    with _critical_cond:
+        if pid in _paused:
+            _paused.discard(pid)
+            if _stopped_since is not None:
+                _signal(pid, signal.SIGCONT)
+
+
+def resume_overdue() -> None:
+    """Continue the registered processes if they have been stopped for :data:`PAUSE_MAX_S`.
+    For threads that wait on them (a reader of their output) or tick anyway (a
+    coordinator): the bound holds even when no section closes and no task yields."""
+    if _stopped_since is None:
+        return
+    with _critical_cond:
+        _resume_overdue_locked(time.monotonic())
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # it ended meanwhile
+        os.kill(pid, sig)
+
+
+def _pause_locked(now: float) -> None:
+    global _stopped_since
+    _resume_overdue_locked(now)
+    if _stopped_since is None and not _hold_off:  # a stop begins (for those to come too)
+        for pid in _paused:
+            _signal(pid, signal.SIGSTOP)
+        _stopped_since = now
+
+
+def _resume_locked(hold_off: bool) -> None:
+    global _stopped_since, _hold_off
+    _hold_off = hold_off
+    if _stopped_since is not None:
+        _stopped_since = None
+        for pid in _paused:
+            _signal(pid, signal.SIGCONT)
+
+
+def _resume_overdue_locked(now: float) -> None:
+    if _stopped_since is not None and now - _stopped_since >= PAUSE_MAX_S:
+        _resume_locked(hold_off=True)

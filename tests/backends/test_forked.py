@@ -7,7 +7,10 @@ for real.
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -29,6 +32,8 @@ from backends.heap import StateSnapshot
 from backends.serializers import INT64, STR
 from backends.state import StateTtlConfig
 from backends.tables import state_files
+from dstl import gil
+from tests.processes import continued, stopped
 
 MAX_PAR = 128
 PIECE_ROWS = 512
@@ -276,3 +281,75 @@ def test_expired_entries_are_purged_before_the_fork(reaped: list[int]) -> None:
     snap.release()
     assert sum(p[4] for p in got) == 25
     assert b.entry_count() == 25  # purged from the live store too, as the copy does
+
+
+# -- stopped while a critical section is open (dstl.gil) ---------------------------------
+
+
+def test_the_child_is_stopped_while_a_critical_section_is_open(reaped: list[int]) -> None:
+    b = _backend(3000)
+    want = _pieces(state_files(b.snapshot(3), PIECE_ROWS))
+    snap = fork_snapshot(b, 3)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    assert os.getpgid(snap.pid) == snap.pid  # a group of its own (orphaned: ended)
+    with gil.critical_section():
+        stopped(snap.pid)
+    continued(snap.pid)
+    assert _pieces(snap.pieces(PIECE_ROWS)) == want
+    snap.release()
+
+
+def test_a_section_left_open_does_not_hold_the_materialization(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing closes the section and no task yields: the reader waiting for the child
+    continues it once its stop is overdue (or the read would time out)."""
+    monkeypatch.setattr(forked_mod, "READ_TIMEOUT_S", 5.0)
+    b = _backend(3000)
+    want = _pieces(state_files(b.snapshot(3), PIECE_ROWS))
+    token = gil.open_critical(max_wait_s=600, owner=None)
+    try:
+        snap = fork_snapshot(b, 3)  # registered during the section: stopped at once
+        assert isinstance(snap, ForkedSnapshot)
+        reaped.append(snap.pid)
+        stopped(snap.pid)
+        assert _pieces(snap.pieces(PIECE_ROWS)) == want
+        snap.release()
+    finally:
+        gil.close_critical(token)
+
+
+_ORPHAN = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from tests.backends.test_forked import _backend
+from backends.forked import fork_snapshot
+from dstl import gil
+snap = fork_snapshot(_backend(3000), 1)
+gil.open_critical(max_wait_s=600, owner=None)  # stopped now, and for as long as we live
+print(snap.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_child_ends_when_its_parent_is_killed() -> None:
+    """The parent dies (SIGKILL) while its child is stopped: the kernel continues the
+    orphaned group and hangs it up, so the child does not stay behind, stopped."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN.format(root=root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        handle = os.pidfd_open(child)  # readable once the child has ended
+    finally:
+        parent.kill()
+        parent.wait()
+    try:
+        poller = select.poll()
+        poller.register(handle, select.POLLIN)
+        assert poller.poll(10_000), f"the orphaned child {child} is still there"
+    finally:
+        os.close(handle)

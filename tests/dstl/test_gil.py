@@ -1,11 +1,13 @@
 """Shorter GIL slices: counted, and the previous interval put back by the last user.
 Critical sections: task threads stand aside while one of another thread is open, within
-its bound."""
+its bound, and registered processes (real child processes here) are stopped meanwhile."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,6 +19,7 @@ from dstl.gil import (
     short_gil_slices,
     yield_to_critical,
 )
+from tests.processes import continued, running, stopped
 
 
 def test_short_gil_slices_are_counted_and_restored() -> None:
@@ -120,3 +123,88 @@ def test_a_section_never_closed_is_dropped_once_past_its_bound() -> None:
     assert yield_to_critical() < 1.0
     assert not gil._critical  # nothing left for the fast path to trip over
     gil.close_critical(token)  # closing it late is harmless
+
+
+# -- processes stopped while a section is open ------------------------------------------
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    """A child process of this one (so ``waitpid`` sees it stop and continue)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    gil.forget_paused(proc.pid)
+    proc.kill()
+    proc.wait()
+
+
+def test_a_registered_process_is_stopped_while_a_section_is_open(sleeper: int) -> None:
+    gil.pause_during_critical(sleeper)
+    assert running(sleeper)
+    first = gil.open_critical(owner=None)
+    stopped(sleeper)
+    second = gil.open_critical(owner=None)  # already stopped: no second stop
+    gil.close_critical(first)
+    assert running(sleeper)  # one section is still open: it stays stopped
+    gil.close_critical(second)
+    continued(sleeper)
+    with critical_section():
+        stopped(sleeper)
+    continued(sleeper)
+
+
+def test_a_forgotten_process_is_continued_and_never_stopped_again(sleeper: int) -> None:
+    gil.pause_during_critical(sleeper)
+    token = gil.open_critical(owner=None)
+    stopped(sleeper)
+    gil.forget_paused(sleeper)
+    continued(sleeper)
+    gil.close_critical(token)
+    with critical_section():
+        assert running(sleeper)
+
+
+def test_a_process_registered_during_a_section_is_stopped_at_once(sleeper: int) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gil.pause_during_critical(other.pid)
+        token = gil.open_critical(owner=None)
+        stopped(other.pid)
+        gil.pause_during_critical(sleeper)
+        stopped(sleeper)
+        gil.close_critical(token)
+        continued(sleeper)
+        continued(other.pid)
+    finally:
+        gil.forget_paused(other.pid)
+        other.kill()
+        other.wait()
+
+
+def test_a_stop_ends_at_its_bound_even_while_the_section_stays_open(
+    sleeper: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gil.pause_during_critical(sleeper)
+    monkeypatch.setattr(gil, "PAUSE_MAX_S", 0.0)  # every stop is overdue at once
+    token = gil.open_critical(owner=None)
+    stopped(sleeper)
+    gil.resume_overdue()
+    continued(sleeper)
+    later = gil.open_critical(owner=None)  # overdue: not stopped again while one is open
+    assert running(sleeper)
+    gil.close_critical(later)
+    gil.close_critical(token)
+    monkeypatch.setattr(gil, "PAUSE_MAX_S", 30.0)
+    with critical_section():  # every section closed: the next one stops it again
+        stopped(sleeper)
+    continued(sleeper)
+
+
+def test_a_stop_ends_when_its_sections_are_dropped_past_their_bound(sleeper: int) -> None:
+    gil.pause_during_critical(sleeper)
+    token = gil.open_critical(max_wait_s=1e-9, owner=None)  # past its bound at once
+    stopped(sleeper)
+    yield_to_critical()  # drops it
+    continued(sleeper)
+    gil.close_critical(token)  # closed already: nothing
+    assert running(sleeper)
