@@ -396,10 +396,16 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main() -> None:
-    """The helper's loop: read a request, encode it, answer; exit at end of input."""
+    """The helper's loop: read a request, encode it, answer; exit at end of input, and
+    quietly when the parent went away mid-request (killed: its pipes closed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
     rfd, wfd = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # a stray print must not corrupt the replies
+    with contextlib.suppress(BrokenPipeError, EOFError):  # no traceback on its stderr
+        _serve(rfd, wfd)
+
+
+def _serve(rfd: int, wfd: int) -> None:
     head = bytearray(8)
     while _read_exact(rfd, memoryview(head)):
         meta_bytes = bytearray(int.from_bytes(head, "little"))

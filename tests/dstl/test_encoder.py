@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from array import array
 from collections.abc import Iterator
@@ -189,3 +190,27 @@ def test_exchange_reads_a_reply_longer_than_its_guess() -> None:
     assert (status, got) == (7, reply)
     os.close(rfd)
     os.close(wfd)
+
+
+@pytest.mark.parametrize("cut", ["reply", "request"])
+def test_a_helper_whose_parent_went_away_exits_quietly(cut: str) -> None:
+    """A worker killed mid-request closes the helper's pipes: the helper's reply meets a
+    broken pipe, or its request ends early. It exits without a traceback on the stderr
+    it shares with the worker."""
+    parts, _ = encoder_module._request(_blocks())
+    request = b"".join(bytes(p) for p in parts)
+    helper = subprocess.Popen(
+        encoder_module._helper_argv(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert helper.stdin is not None and helper.stdout is not None
+    helper.stdout.close()  # nobody reads the reply
+    helper.stdin.write(request if cut == "reply" else request[: len(request) // 2])
+    helper.stdin.close()
+    assert helper.stderr is not None
+    err = helper.stderr.read()  # until the helper has exited (or closed it)
+    helper.stderr.close()
+    assert helper.wait(timeout=60) == 0
+    assert err == b""
