@@ -74,7 +74,9 @@ CRITICAL_WAIT_MAX_S = 0.030
 start. Bounds what a slow section (a metadata store or a disk that stalls) costs the
 task's throughput: past it, the tasks run beside the section as they did before."""
 
-_critical_cond = threading.Condition(threading.Lock())
+# Reentrant: a stopped process is forgotten by a finalizer (backends.forked), which a
+# garbage collection may run inside any allocation, this module's sections included.
+_critical_cond = threading.Condition(threading.RLock())
 _critical: dict[int, tuple[int | None, float]] = {}  # token -> (owner thread, deadline)
 _critical_tokens = itertools.count(1)
 _MINE = -1  # open_critical's default owner: the calling thread
@@ -224,7 +226,7 @@ def _pause_locked(now: float) -> None:
     global _stopped_since
     _resume_overdue_locked(now)
     if _stopped_since is None and not _hold_off:  # a stop begins (for those to come too)
-        for pid in _paused:
+        for pid in tuple(_paused):  # a copy: see _critical_cond
             _signal(pid, signal.SIGSTOP)
         _stopped_since = now
 
@@ -234,7 +236,7 @@ def _resume_locked(hold_off: bool) -> None:
     _hold_off = hold_off
     if _stopped_since is not None:
         _stopped_since = None
-        for pid in _paused:
+        for pid in tuple(_paused):
             _signal(pid, signal.SIGCONT)
 
 

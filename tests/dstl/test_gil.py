@@ -208,3 +208,22 @@ def test_a_stop_ends_when_its_sections_are_dropped_past_their_bound(sleeper: int
     continued(sleeper)
     gil.close_critical(token)  # closed already: nothing
     assert running(sleeper)
+
+
+def test_a_process_is_forgotten_inside_the_module_s_own_lock(sleeper: int) -> None:
+    """A snapshot's finalizer forgets its child; a garbage collection can run it inside
+    any allocation, this module's own locked steps included: no deadlock."""
+    gil.pause_during_critical(sleeper)
+    token = gil.open_critical(owner=None)
+    stopped(sleeper)
+
+    def finalizer_inside_the_lock() -> None:
+        with gil._critical_cond:
+            gil.forget_paused(sleeper)
+
+    thread = threading.Thread(target=finalizer_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "forget_paused deadlocked on the module's lock"
+    continued(sleeper)
+    gil.close_critical(token)
