@@ -192,6 +192,7 @@ class InputGate:
         #: when it acknowledges)
         self.stats: dict[int, dict[str, Any]] = {}
         self._in_flight = 0
+        self._overtaken = 0  # watermarks / end-of-input markers the capture skipped
         self._delivered_batches = 0
         self._bytes_per_record = 0.0
         self._debloater = None
@@ -309,9 +310,12 @@ class InputGate:
             return
         if self._capturing and channel in self._waiting:
             until = self._until.get(channel)
-            if (until is None or index < until) and not isinstance(element, Watermark | EndOfInput):
-                self._captured.append((channel, element))
-                self._in_flight += len(element) if isinstance(element, list) else 0
+            if until is None or index < until:
+                if isinstance(element, Watermark | EndOfInput):  # emitted again at a restore
+                    self._overtaken += 1
+                else:
+                    self._captured.append((channel, element))
+                    self._in_flight += len(element) if isinstance(element, list) else 0
             if until is not None and index + 1 >= until:
                 self._waiting.discard(channel)
         elif self._current is not None and not self._capturing and isinstance(element, list):
@@ -411,6 +415,7 @@ class InputGate:
         self._last_barrier = cid
         self._first_at[cid] = now
         self._in_flight = 0
+        self._overtaken = 0
         self.stats[cid] = {
             "start_delay_ms": round(max(0.0, now - barrier.triggered_at) * 1e3, 3),
             "queued_records": self.inbox.queued_records,
@@ -468,6 +473,7 @@ class InputGate:
         self._capturing = True
         self._record_stats(barrier.checkpoint_id, unaligned=True)
         self._in_flight = 0
+        self._overtaken = 0
         self._ready.append((CONTROL, Barrier(barrier.checkpoint_id, barrier.triggered_at, True)))
         self._waiting = self._live - done
         self._until = {}
@@ -487,6 +493,9 @@ class InputGate:
     def _set_in_flight(self, stats: dict[str, Any]) -> None:
         stats["in_flight_records"] = self._in_flight
         stats["in_flight_bytes"] = round(self._in_flight * self._bytes_per_record)
+        # Not persisted (a restored source emits them again), but the job's end must know:
+        # a final checkpoint that overtook one was taken before every timer fired.
+        stats["overtaken_control"] = self._overtaken
 
     def _rescan(self) -> None:
         """Capturing: copy the in-flight items from the inbox at once if every channel
@@ -500,6 +509,7 @@ class InputGate:
         position = {c: self._consumed[c] for c in self._waiting}
         found: set[int] = set()
         copied: list[tuple[int, Any]] = []
+        overtaken = 0
         for channel, element in self.inbox.queued():
             if channel not in position or channel in found:
                 continue
@@ -511,13 +521,16 @@ class InputGate:
             if until is not None and position[channel] >= until:
                 found.add(channel)
                 continue
-            if not isinstance(element, Watermark | EndOfInput):
+            if isinstance(element, Watermark | EndOfInput):
+                overtaken += 1
+            else:
                 copied.append((channel, element))
             position[channel] += 1
         for channel, until in self._until.items():
             if channel in position and position[channel] >= until:
                 found.add(channel)
         if found >= self._waiting:
+            self._overtaken += overtaken
             self._captured.extend(copied)
             self._in_flight += sum(len(e) for _, e in copied if isinstance(e, list))
             self._waiting.clear()

@@ -80,8 +80,14 @@ class RunResult:
 
 
 def carries_in_flight(checkpoint: CompletedCheckpoint) -> bool:
-    """Whether an (unaligned) checkpoint persisted in-flight records anywhere."""
-    return any(isinstance(h, ChannelStateHandle) for s in checkpoint.subtasks for h in s.handles)
+    """Whether an (unaligned) checkpoint overtook anything in flight anywhere: records (it
+    persisted them) or watermarks and end-of-input markers (not persisted: restored sources
+    emit them again). Either way a final checkpoint like it was taken before every task
+    had processed all its input, so the job takes another one before it ends: a final
+    watermark a barrier overtook would otherwise never fire its timers."""
+    return any(
+        isinstance(h, ChannelStateHandle) for s in checkpoint.subtasks for h in s.handles
+    ) or any(s.stats.get("overtaken_control") for s in checkpoint.subtasks)
 
 
 class EmbeddedRuntime:

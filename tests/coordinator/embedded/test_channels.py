@@ -565,3 +565,50 @@ def test_every_mode_on_random_interleavings(
         captured = {b[0] for _, b in in_flight[0].batches}
         assert not before & captured
         assert before | captured == pre  # snapshot + channel state: exactly the records
+
+
+# -- what a barrier overtook that is not persisted -----------------------------------------
+def test_an_unaligned_barrier_counts_the_watermarks_and_ends_it_overtook() -> None:
+    """Watermarks and end-of-input markers are not persisted (restored sources emit them
+    again), but the job's end needs to know a final checkpoint overtook them (seed 107
+    of the kill test: a final barrier overtook the maximum watermark, the job ended, and
+    the last windows never fired)."""
+    gate = InputGate(2, mode=BarrierMode.UNALIGNED)
+    gate.put(0, Barrier(1))
+    gate.put(1, "b1")
+    gate.put(1, Watermark(99))  # before channel 1's barrier: overtaken, queued
+    gate.put(1, Barrier(1))
+    items = _drain(gate)
+    assert items[:2] == [_b(1, True), (CONTROL, InFlightData(1, ((1, "b1"),)))]
+    assert gate.stats[1]["overtaken_control"] == 1
+    gate.put(0, Barrier(2))
+    assert _drain(gate)[0] == _b(2, True)
+    gate.put(1, Watermark(120))  # overtaken as it arrives (channel 1 owes barrier 2)
+    gate.put(1, EndOfInput())
+    _drain(gate)
+    assert gate.stats[2]["overtaken_control"] == 2
+    assert gate.stats[2]["in_flight_records"] == 0
+
+
+def test_an_aligned_barrier_overtakes_nothing() -> None:
+    gate = InputGate(2)
+    gate.put(0, Watermark(5))
+    gate.put(0, Barrier(1))
+    gate.put(1, Watermark(7))
+    gate.put(1, Barrier(1))
+    _drain(gate)
+    assert gate.stats[1]["unaligned"] is False
+    assert gate.stats[1]["overtaken_control"] == 0
+
+
+def test_a_timed_out_alignment_counts_what_it_overtook() -> None:
+    clock = ManualClock()
+    gate = InputGate(2, aligned_timeout_s=0.5, clock=clock)
+    gate.put(0, Barrier(1, 0.0))
+    assert _drain(gate) == []
+    gate.put(1, ["b1"])
+    gate.put(1, Watermark(50))
+    gate.put(1, Barrier(1, 0.0))
+    clock.now = 0.5
+    assert _drain(gate)[:2] == [_b(1, True), (CONTROL, InFlightData(1, ((1, ["b1"]),)))]
+    assert gate.stats[1]["overtaken_control"] == 1

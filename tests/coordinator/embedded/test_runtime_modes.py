@@ -292,3 +292,21 @@ def test_final_checkpoint_with_in_flight_records_is_followed_by_another(
     options = _options(tmp_path, BarrierMode.UNALIGNED)
     EmbeddedRuntime(pipeline(config, str(tmp_path / "out")), options).run()
     assert len(_rows(tmp_path / "out")) == len(records)
+
+
+def test_a_final_checkpoint_that_overtook_a_watermark_is_not_the_last() -> None:
+    """The job ends at a final checkpoint that overtook nothing. One whose barrier
+    overtook records (persisted) or only a watermark or an end-of-input marker (not
+    persisted: the maximum watermark then never fired the last windows' timers, seed
+    107 of the kill test) is followed by another."""
+    from coordinator.embedded.runtime import carries_in_flight
+    from coordinator.metadata import SubtaskState
+
+    def final(stats: dict[str, Any]) -> CompletedCheckpoint:
+        return CompletedCheckpoint(
+            "job", 9, "checkpoint", 0.0, 0.0, (SubtaskState("join", 0, (), None, stats),)
+        )
+
+    assert not carries_in_flight(final({"unaligned": True, "overtaken_control": 0}))
+    assert not carries_in_flight(final({}))  # written before the field existed
+    assert carries_in_flight(final({"unaligned": True, "overtaken_control": 1}))
