@@ -11,8 +11,9 @@ import pytest
 
 from coordinator.checkpoint import CheckpointOptions
 from coordinator.embedded import EmbeddedRuntime, RuntimeOptions
+from coordinator.embedded.runtime import carries_in_flight
 from coordinator.handles import ChannelStateHandle
-from coordinator.metadata import CompletedCheckpoint
+from coordinator.metadata import CompletedCheckpoint, SubtaskState
 from coordinator.options import BarrierMode
 from coordinator.sink import read_output
 from dstl.errors import ConfigError
@@ -299,14 +300,14 @@ def test_a_final_checkpoint_that_overtook_a_watermark_is_not_the_last() -> None:
     overtook records (persisted) or only a watermark or an end-of-input marker (not
     persisted: the maximum watermark then never fired the last windows' timers, seed
     107 of the kill test) is followed by another."""
-    from coordinator.embedded.runtime import carries_in_flight
-    from coordinator.metadata import SubtaskState
 
-    def final(stats: dict[str, Any]) -> CompletedCheckpoint:
+    def final(stats: dict[str, Any], handles: tuple[Any, ...] = ()) -> CompletedCheckpoint:
         return CompletedCheckpoint(
-            "job", 9, "checkpoint", 0.0, 0.0, (SubtaskState("join", 0, (), None, stats),)
+            "job", 9, "checkpoint", 0.0, 0.0, (SubtaskState("join", 0, handles, None, stats),)
         )
 
     assert not carries_in_flight(final({"unaligned": True, "overtaken_control": 0}))
     assert not carries_in_flight(final({}))  # written before the field existed
     assert carries_in_flight(final({"unaligned": True, "overtaken_control": 1}))
+    records = ChannelStateHandle("job/cs/9-join-0", 9, "join", 0, 3, 10)
+    assert carries_in_flight(final({"unaligned": True, "overtaken_control": 0}, (records,)))
