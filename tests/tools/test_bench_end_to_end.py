@@ -52,3 +52,19 @@ def test_space_amplification_without_hot_cases_is_none() -> None:  # a --quick r
     out = _headline([_case("heap", "uniform", 1.3), _case("rocksdb", "uniform", 1.2)], None)
     assert out["space_amplification"] == 1.3
     assert out["space_amplification_hot"] is None
+
+
+def test_whole_run_materialization_ratio_is_over_the_log_only_case_of_the_same_store() -> None:
+    cases = [
+        _case("heap", "uniform", 1.3, records_per_s=300_000),
+        _case("rocksdb", "uniform", 1.3, records_per_s=60_000),
+        _case("heap", "uniform", 1.4, keys=100_000, records_per_s=350_000),
+        _case("heap", "uniform", 0.8, changelog="off", records_per_s=390_000),
+        _case("heap", "long-log", 11.0, records_per_s=400_000),
+        _case("rocksdb", "long-log", 3.0, records_per_s=75_000),
+    ]
+    out = _headline(cases, None)
+    assert out["materialization_whole_run_ratio_heap"] == 0.75
+    assert out["materialization_whole_run_ratio_rocksdb"] == 0.8
+    quick = _headline(cases[:2], None)  # no long-log case: no ratio
+    assert quick["materialization_whole_run_ratio_heap"] is None

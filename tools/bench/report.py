@@ -74,6 +74,12 @@ HEADLINES: dict[str, list[Headline]] = {
             ">=",
             0.9,
         ),
+        Headline(
+            "materialization_whole_run_ratio_heap",
+            "records/s with heap materialization / log only (whole run)",
+            ">=",
+            0.9,
+        ),
         Headline("space_amplification", "full checkpoint / live state, uniform keys", "<=", 1.5),
         Headline(
             "space_amplification_hot",
