@@ -17,11 +17,11 @@ Per case: ``records_per_s`` (measurement window), ``records_per_s_mat`` (only wh
 materialization is in flight: snapshot to upload done) over ``records_per_s_idle``
 (none in flight) as ``mat_throughput_ratio`` (the headline
 ``materialization_whole_run_ratio_heap`` is the stricter reading: the uniform case's
-records/s over the long-log case's, where nothing materializes); checkpoint duration p50/p99; ``own_p99_ms``
-(our own part: everything but the barriers' travel and wait in queues, see
-:func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and ``own_steps``
-(p50/p99 of each step of it); materialization duration
-(sync + upload) p50/max and its sync part p50/max; ``log_at_kill`` (change records the
+records/s over the long-log case's, where nothing materializes); checkpoint duration
+p50/p99; ``own_p99_ms`` (our own part: everything but the barriers' travel and wait in
+queues, see :func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and
+``own_steps`` (p50/p99 of each step of it); materialization duration (sync + upload)
+p50/max and its sync part p50/max; ``log_at_kill`` (change records the
 restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
 included) and ``replay_per_s`` (changes replayed per second: read, fold and load of the
 log, timed by the restore itself and logged; materialized tables not included);
