@@ -136,6 +136,13 @@ class _Debloater:
         self._start, self._records, self._idle = now, 0, 0.0
 
 
+def _emitted_again(element: Any) -> bool:
+    """Whether a capture leaves ``element`` out of the in-flight data: watermarks and
+    end-of-input markers are not persisted (a restored source emits them again), only
+    counted as overtaken (``overtaken_control`` in the subtask's stats)."""
+    return isinstance(element, Watermark | EndOfInput)
+
+
 class InputGate:
     """Handles barriers across ``channels`` input channels in one :class:`BarrierMode`.
 
@@ -311,7 +318,7 @@ class InputGate:
         if self._capturing and channel in self._waiting:
             until = self._until.get(channel)
             if until is None or index < until:
-                if isinstance(element, Watermark | EndOfInput):  # emitted again at a restore
+                if _emitted_again(element):
                     self._overtaken += 1
                 else:
                     self._captured.append((channel, element))
@@ -521,7 +528,7 @@ class InputGate:
             if until is not None and position[channel] >= until:
                 found.add(channel)
                 continue
-            if isinstance(element, Watermark | EndOfInput):
+            if _emitted_again(element):
                 overtaken += 1
             else:
                 copied.append((channel, element))
