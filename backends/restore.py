@@ -417,18 +417,6 @@ def _state_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndar
     return column.dictionary.to_pylist(), codes
 
 
-def _store_order(rows: pa.Table) -> pa.Array:
-    """Indices that sort ``rows`` by key group, then key bytes (RocksDB's order of them).
-    Folded rows have one row per key: 8-byte keys sort as big-endian unsigned integers
-    in numpy, then a stable (radix) pass over the 16-bit key groups; others in Arrow."""
-    keys = _fixed8(rows["key"].combine_chunks())
-    if keys is None:
-        return pc.sort_indices(rows, [("key_group", "ascending"), ("key", "ascending")])
-    order = np.argsort(keys.byteswap().view("<u8"))
-    groups = rows["key_group"].to_numpy()[order].astype(np.uint16)  # < max parallelism
-    return pa.array(order[np.argsort(groups, kind="stable")])
-
-
 def _fixed8(keys: pa.Array) -> np.ndarray[Any, Any] | None:
     """The bytes of a binary column of 8-byte values as little-endian int64s (no copy),
     or None if some value is another length (or null)."""
@@ -476,10 +464,7 @@ def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) ->
         return
     load_serialized = getattr(backend, "load_serialized_values", None)
     if load_serialized is not None:  # a store of bytes (RocksDB) takes the log's bytes
-        # in its key order (key group, then key bytes: fixed-width keys compare as their
-        # bytes), so it need not sort them again (it writes them into an SST file)
-        rows = rows.select(["key_group", "key", "value"])
-        rows = rows.take(_store_order(rows))
+        # (and sorts them into its own order)
         load_serialized(
             meta,
             rows["key_group"].combine_chunks(),

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import rocksdict
@@ -261,6 +263,41 @@ def _worth_compacting(live_files: list[dict[str, Any]]) -> bool:
     else:
         upper = sum(size for level, size in files if level < deepest)
     return upper > SNAPSHOT_COMPACT_UPPER * total and upper >= SNAPSHOT_COMPACT_MIN_BYTES
+
+
+def _sorted_rows8(
+    key_groups: pa.Array, sid: bytes, keys: pa.Array, values: pa.Array, groups: int
+) -> tuple[list[bytes], list[Any]]:
+    """The stored rows of 8-byte ``keys`` (key group, state id ``sid``, length, key: 16
+    bytes each) in RocksDB's (bytewise) order, and ``values`` in that order.
+
+    Built in numpy from the keys' data buffer: no Arrow take of a binary column and no
+    join, which took 0.12 s of a replay's 0.5 s per state of 1M keys (the SST writer's
+    own 0.19 s is the rest's largest part). Bytewise order of such rows is key group,
+    then the key as a big-endian unsigned integer (state id and length are the same in
+    every row): a sort of the keys, then a stable (radix) sort of the 16-bit key groups.
+    Raises ``ValueError`` for a key group outside ``[0, groups)`` or a null one.
+    """
+    n = len(keys)
+    kg = key_groups.to_numpy(zero_copy_only=False)
+    if key_groups.null_count or kg.min() < 0 or kg.max() >= groups:
+        raise ValueError(f"key groups outside [0, {groups}) in a bulk load")
+    start = int(np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0])
+    key8 = np.frombuffer(keys.buffers()[2], np.uint64, n, start)  # the key bytes, as is
+    order = np.argsort(key8.byteswap())  # byteswapped: the keys as big-endian numbers
+    order = order[np.argsort(kg[order].astype(np.uint16), kind="stable")]
+    # a row is two uint64 (native byte order, so each holds its 8 bytes as they are):
+    # key group (2 bytes, big-endian), state id and length, then the key
+    head = int.from_bytes(b"\0\0" + sid + _LEN.pack(8), sys.byteorder)
+    kgo = kg[order].astype(np.uint64)
+    swapped = (kgo >> 8) | ((kgo & 0xFF) << 8)  # the group's 2 big-endian bytes, first
+    rows = np.empty((n, 2), np.uint64)
+    rows[:, 0] = (swapped if sys.byteorder == "little" else kgo << 48) | head
+    rows[:, 1] = key8[order]
+    offsets = pa.py_buffer(np.arange(0, 16 * n + 1, 16, dtype=np.int32))
+    # binary, not fixed_size_binary: its to_pylist is 8x faster (0.05 s for 1M rows)
+    framed = pa.Array.from_buffers(pa.binary(), n, [None, offsets, pa.py_buffer(rows)])
+    return framed.to_pylist(), values.take(pa.array(order)).to_pylist()
 
 
 def _ascending(rows: pa.Array) -> bool:
@@ -909,14 +946,18 @@ class RocksDBKeyedStateBackend:
         restoring into an empty store). Ingestion gives the file's entries a sequence
         number above every earlier write, so they replace older values of the same keys
         (a materialization loaded before, a clear of the log) as a write would. Fewer
-        rows go in one write batch.
+        rows go in one write batch. The rows may come in any order: this sorts them (8-byte
+        keys, int64 and float64, in numpy: :func:`_sorted_rows8`).
         """
         sid = self._register(meta).to_bytes(2, "big")
-        prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
         lengths = pc.binary_length(keys)
         low, high = pc.min_max(lengths).values()
         if low.as_py() is None:
             return
+        if low.as_py() == high.as_py() == 8 and len(keys) >= INGEST_MIN_ROWS:
+            self._ingest(*_sorted_rows8(key_groups, sid, keys, values, len(self._kg_bytes)))
+            return
+        prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
         if low.as_py() == high.as_py():  # fixed-width keys: one length prefix for all
             framed = pc.binary_join_element_wise(
                 prefixes.take(key_groups), _LEN.pack(low.as_py()), keys, b""

@@ -407,39 +407,73 @@ def test_the_rocksdb_store_names_its_own_log_ratio(factory: Factory) -> None:
     assert factory.logged("heap").max_log_ratio is None
 
 
+@pytest.mark.parametrize("key_ser", [INT64, STR], ids=["int64", "str"])
 @pytest.mark.parametrize("sort", [True, False])
-def test_bulk_loaded_values_are_ingested_over_older_ones(factory: Factory, sort: bool) -> None:
+def test_bulk_loaded_values_are_ingested_over_older_ones(
+    factory: Factory, sort: bool, key_ser: Any
+) -> None:
     """load_serialized_values from INGEST_MIN_ROWS rows on writes an SST file RocksDB
     ingests (nothing in the memtable): its values replace older ones of the same keys,
-    in the memtable or in files, whether the rows came sorted or not; other keys stay."""
+    in the memtable or in files, whether the rows came sorted or not; other keys stay.
+    8-byte keys (int64, negative ones too: their bytes sort unlike their numbers) are
+    sorted in numpy, others in Arrow."""
+    import pyarrow as pa
+
+    from backends.rocksdb import INGEST_MIN_ROWS
+
+    def key(i: int) -> Any:
+        return i - INGEST_MIN_ROWS if key_ser is INT64 else f"k{i}"
+
+    b = factory.store("rocksdb", key_serializer=key_ser)
+    s = b.get_state(ValueStateDescriptor("v", INT64))
+    n = 2 * INGEST_MIN_ROWS
+    for i in range(0, 2 * n, 2):  # every second key: half of them in a file
+        b.set_current_key(key(i))
+        s.update(-i)
+        if i == n:
+            b.snapshot().release()
+    ids = list(range(n, 0, -1))  # descending: the store sorts what is not ascending
+    if sort:  # the store's order: key group, then key bytes
+        ids.sort(
+            key=lambda i: (
+                key_group_for(key_ser.serialize(key(i)), MAX_PAR),
+                key_ser.serialize(key(i)),
+            )
+        )
+    b.load_serialized_values(
+        b.state_metas()["v"],
+        pa.array([key_group_for(key_ser.serialize(key(i)), MAX_PAR) for i in ids], pa.int32()),
+        pa.array([key_ser.serialize(key(i)) for i in ids], pa.binary()),
+        pa.array([INT64.serialize(10 * i) for i in ids], pa.binary()),
+    )
+    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
+    for i in range(2 * n):
+        b.set_current_key(key(i))
+        expected = 10 * i if 0 < i <= n else (-i if i % 2 == 0 else None)
+        assert s.value() == expected, i
+
+
+def test_bulk_load_refuses_a_key_group_out_of_range(factory: Factory) -> None:
+    """A bulk load of 8-byte keys checks its key groups (they become two bytes of each
+    row: a larger one would land in another group's range) and writes nothing."""
     import pyarrow as pa
 
     from backends.rocksdb import INGEST_MIN_ROWS
 
     b = factory.store("rocksdb", key_serializer=INT64)
     s = b.get_state(ValueStateDescriptor("v", INT64))
-    n = 2 * INGEST_MIN_ROWS
-    for i in range(0, 2 * n, 2):  # every second key: half of them in a file
-        b.set_current_key(i)
-        s.update(-i)
-        if i == n:
-            b.snapshot().release()
-    keys = list(range(n, 0, -1))  # descending: the store sorts what is not ascending
-    groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
-    if sort:  # the store's order: key group, then key bytes
-        keys.sort(key=lambda k: (key_group_for(INT64.serialize(k), MAX_PAR), INT64.serialize(k)))
-        groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in keys]
-    b.load_serialized_values(
-        b.state_metas()["v"],
-        pa.array(groups, pa.int32()),
-        pa.array([INT64.serialize(k) for k in keys], pa.binary()),
-        pa.array([INT64.serialize(10 * k) for k in keys], pa.binary()),
-    )
-    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
-    for k in range(2 * n):
-        b.set_current_key(k)
-        expected = 10 * k if 0 < k <= n else (-k if k % 2 == 0 else None)
-        assert s.value() == expected, k
+    n = INGEST_MIN_ROWS
+    groups = [key_group_for(INT64.serialize(k), MAX_PAR) for k in range(n)]
+    groups[-1] = MAX_PAR + 256 * MAX_PAR
+    with pytest.raises(ValueError, match="key groups"):
+        b.load_serialized_values(
+            b.state_metas()["v"],
+            pa.array(groups, pa.int32()),
+            pa.array([INT64.serialize(k) for k in range(n)], pa.binary()),
+            pa.array([INT64.serialize(k) for k in range(n)], pa.binary()),
+        )
+    b.set_current_key(0)
+    assert s.value() is None
 
 
 def test_close_waits_for_a_running_compaction(factory: Factory) -> None:
