@@ -26,7 +26,14 @@ from backends.errors import LocalStoreError
 from backends.handles import KeyedStateHandle, MaterializationHandle, StateFileHandle
 from backends.keygroups import KeyGroupRange
 from backends.localdirs import owned_dir
-from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
+from backends.rocksdb import (
+    META_FILE,
+    decode_metadata,
+    decode_state_rows,
+    fixed8,
+    iter_rows,
+    open_raw_db,
+)
 from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import Runs, parquet_to_table, table_entries, table_meta
@@ -423,18 +430,6 @@ def _state_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndar
     return column.dictionary.to_pylist(), codes
 
 
-def _fixed8(keys: pa.Array) -> np.ndarray[Any, Any] | None:
-    """The bytes of a binary column of 8-byte values as little-endian int64s (no copy),
-    or None if some value is another length (or null)."""
-    if not len(keys) or keys.null_count:
-        return None
-    low, high = (s.as_py() for s in pc.min_max(pc.binary_length(keys)).values())
-    if not low == high == 8:
-        return None
-    first = np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0]
-    return np.frombuffer(keys.buffers()[2], "<i8", len(keys), int(first))
-
-
 def _last_per_key(part: pa.Table) -> pa.Table:
     """The last row per key of ``part``, in log order (a key's bytes decide its key
     group, so the key alone identifies the entry). One hash pass over the keys, no
@@ -445,7 +440,7 @@ def _last_per_key(part: pa.Table) -> pa.Table:
     if part.num_rows < 2:
         return part
     keys = part["key"].combine_chunks()
-    codes = _fixed8(keys)
+    codes = fixed8(keys)
     if codes is None:
         codes = pc.dictionary_encode(keys).indices.to_numpy()
     repeated = pd.Series(codes, copy=False).duplicated(keep="last").to_numpy()

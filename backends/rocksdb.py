@@ -265,11 +265,25 @@ def _worth_compacting(live_files: list[dict[str, Any]]) -> bool:
     return upper > SNAPSHOT_COMPACT_UPPER * total and upper >= SNAPSHOT_COMPACT_MIN_BYTES
 
 
+def fixed8(values: pa.Array) -> np.ndarray[Any, Any] | None:
+    """The bytes of a binary column of 8-byte values as native uint64s (no copy: each
+    holds its 8 bytes as they are), or None if there are none or some value is another
+    length (or null). Shared with the restore's fold (:mod:`backends.restore`)."""
+    if not len(values) or values.null_count:
+        return None
+    low, high = (s.as_py() for s in pc.min_max(pc.binary_length(values)).values())
+    if not low == high == 8:
+        return None
+    first = np.frombuffer(values.buffers()[1], np.int32, 1, values.offset * 4)[0]
+    return np.frombuffer(values.buffers()[2], np.uint64, len(values), int(first))
+
+
 def _sorted_rows8(
-    key_groups: pa.Array, sid: bytes, keys: pa.Array, values: pa.Array, groups: int
+    key_groups: pa.Array, sid: bytes, key8: np.ndarray[Any, Any], values: pa.Array, groups: int
 ) -> tuple[list[bytes], list[Any]]:
-    """The stored rows of 8-byte ``keys`` (key group, state id ``sid``, length, key: 16
-    bytes each) in RocksDB's (bytewise) order, and ``values`` in that order.
+    """The stored rows of 8-byte keys (``key8``: :func:`fixed8` of them; key group, state
+    id ``sid``, length, key: 16 bytes each) in RocksDB's (bytewise) order, and ``values``
+    in that order.
 
     Built in numpy from the keys' data buffer: no Arrow take of a binary column and no
     join, which took 0.12 s of a replay's 0.5 s per state of 1M keys (the SST writer's
@@ -278,12 +292,10 @@ def _sorted_rows8(
     every row): a sort of the keys, then a stable (radix) sort of the 16-bit key groups.
     Raises ``ValueError`` for a key group outside ``[0, groups)`` or a null one.
     """
-    n = len(keys)
+    n = len(key8)
     kg = key_groups.to_numpy(zero_copy_only=False)
     if key_groups.null_count or kg.min() < 0 or kg.max() >= groups:
         raise ValueError(f"key groups outside [0, {groups}) in a bulk load")
-    start = int(np.frombuffer(keys.buffers()[1], np.int32, 1, keys.offset * 4)[0])
-    key8 = np.frombuffer(keys.buffers()[2], np.uint64, n, start)  # the key bytes, as is
     order = np.argsort(key8.byteswap())  # byteswapped: the keys as big-endian numbers
     order = order[np.argsort(kg[order].astype(np.uint16), kind="stable")]
     # a row is two uint64 (native byte order, so each holds its 8 bytes as they are):
@@ -950,12 +962,13 @@ class RocksDBKeyedStateBackend:
         keys, int64 and float64, in numpy: :func:`_sorted_rows8`).
         """
         sid = self._register(meta).to_bytes(2, "big")
+        key8 = fixed8(keys) if len(keys) >= INGEST_MIN_ROWS else None
+        if key8 is not None:
+            self._ingest(*_sorted_rows8(key_groups, sid, key8, values, len(self._kg_bytes)))
+            return
         lengths = pc.binary_length(keys)
         low, high = pc.min_max(lengths).values()
         if low.as_py() is None:
-            return
-        if low.as_py() == high.as_py() == 8 and len(keys) >= INGEST_MIN_ROWS:
-            self._ingest(*_sorted_rows8(key_groups, sid, keys, values, len(self._kg_bytes)))
             return
         prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
         if low.as_py() == high.as_py():  # fixed-width keys: one length prefix for all
