@@ -30,10 +30,10 @@ from backends.rocksdb import (
     META_FILE,
     decode_metadata,
     decode_state_rows,
-    fixed8,
     iter_rows,
     open_raw_db,
 )
+from backends.rocksload import fixed8
 from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import Runs, parquet_to_table, table_entries, table_meta

@@ -27,16 +27,13 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import rocksdict
@@ -46,6 +43,7 @@ from backends.batch import PreparedBatch, prepare_batch
 from backends.errors import KeyGroupOutOfRangeError, LocalStoreError
 from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
 from backends.localdirs import owned_dir
+from backends.rocksload import ascending, fixed8, sorted_rows8, write_ssts
 from backends.serializers import Serializer, pack_list, unpack_list
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
@@ -263,63 +261,6 @@ def _worth_compacting(live_files: list[dict[str, Any]]) -> bool:
     else:
         upper = sum(size for level, size in files if level < deepest)
     return upper > SNAPSHOT_COMPACT_UPPER * total and upper >= SNAPSHOT_COMPACT_MIN_BYTES
-
-
-def fixed8(values: pa.Array) -> np.ndarray[Any, Any] | None:
-    """The bytes of a binary column of 8-byte values as native uint64s (no copy: each
-    holds its 8 bytes as they are), or None if there are none or some value is another
-    length (or null). Shared with the restore's fold (:mod:`backends.restore`)."""
-    if not len(values) or values.null_count:
-        return None
-    low, high = (s.as_py() for s in pc.min_max(pc.binary_length(values)).values())
-    if not low == high == 8:
-        return None
-    first = np.frombuffer(values.buffers()[1], np.int32, 1, values.offset * 4)[0]
-    return np.frombuffer(values.buffers()[2], np.uint64, len(values), int(first))
-
-
-def _sorted_rows8(
-    key_groups: pa.Array, sid: bytes, key8: np.ndarray[Any, Any], values: pa.Array, groups: int
-) -> tuple[list[bytes], list[Any]]:
-    """The stored rows of 8-byte keys (``key8``: :func:`fixed8` of them; key group, state
-    id ``sid``, length, key: 16 bytes each) in RocksDB's (bytewise) order, and ``values``
-    in that order.
-
-    Built in numpy from the keys' data buffer: no Arrow take of a binary column and no
-    join, which took 0.12 s of a replay's 0.5 s per state of 1M keys (the SST writer's
-    own 0.19 s is the rest's largest part). Bytewise order of such rows is key group,
-    then the key as a big-endian unsigned integer (state id and length are the same in
-    every row): a sort of the keys, then a stable (radix) sort of the 16-bit key groups.
-    Raises ``ValueError`` for a key group outside ``[0, groups)`` or a null one.
-    """
-    n = len(key8)
-    kg = key_groups.to_numpy(zero_copy_only=False)
-    if key_groups.null_count or kg.min() < 0 or kg.max() >= groups:
-        raise ValueError(f"key groups outside [0, {groups}) in a bulk load")
-    order = np.argsort(key8.byteswap())  # byteswapped: the keys as big-endian numbers
-    order = order[np.argsort(kg[order].astype(np.uint16), kind="stable")]
-    # a row is two uint64 (native byte order, so each holds its 8 bytes as they are):
-    # key group (2 bytes, big-endian), state id and length, then the key
-    head = int.from_bytes(b"\0\0" + sid + _LEN.pack(8), sys.byteorder)
-    kgo = kg[order].astype(np.uint64)
-    swapped = (kgo >> 8) | ((kgo & 0xFF) << 8)  # the group's 2 big-endian bytes, first
-    rows = np.empty((n, 2), np.uint64)
-    rows[:, 0] = (swapped if sys.byteorder == "little" else kgo << 48) | head
-    rows[:, 1] = key8[order]
-    offsets = pa.py_buffer(np.arange(0, 16 * n + 1, 16, dtype=np.int32))
-    # binary, not fixed_size_binary: its to_pylist is 8x faster (0.05 s for 1M rows)
-    framed = pa.Array.from_buffers(pa.binary(), n, [None, offsets, pa.py_buffer(rows)])
-    return framed.to_pylist(), values.take(pa.array(order)).to_pylist()
-
-
-def _ascending(rows: pa.Array) -> bool:
-    """Whether binary ``rows`` are strictly ascending, bytewise (Arrow compares binary
-    as unsigned bytes, as RocksDB's default comparator does); vectorized."""
-    n = len(rows)
-    if n < 2:
-        return True
-    rising = pc.greater(rows.slice(1), rows.slice(0, n - 1))
-    return bool(pc.all(rising, skip_nulls=False).as_py())
 
 
 class _RocksValueState:
@@ -959,12 +900,12 @@ class RocksDBKeyedStateBackend:
         number above every earlier write, so they replace older values of the same keys
         (a materialization loaded before, a clear of the log) as a write would. Fewer
         rows go in one write batch. The rows may come in any order: this sorts them (8-byte
-        keys, int64 and float64, in numpy: :func:`_sorted_rows8`).
+        keys, int64 and float64, in numpy: :func:`~backends.rocksload.sorted_rows8`).
         """
         sid = self._register(meta).to_bytes(2, "big")
         key8 = fixed8(keys) if len(keys) >= INGEST_MIN_ROWS else None
         if key8 is not None:
-            self._ingest(*_sorted_rows8(key_groups, sid, key8, values, len(self._kg_bytes)))
+            self._ingest(*sorted_rows8(key_groups, sid, key8, values, len(self._kg_bytes)))
             return
         lengths = pc.binary_length(keys)
         low, high = pc.min_max(lengths).values()
@@ -985,25 +926,22 @@ class RocksDBKeyedStateBackend:
                 put(row, value)
             self._write(wb)
             return
-        if not _ascending(framed):  # a writer takes RocksDB's (bytewise) order only
+        if not ascending(framed):  # a writer takes RocksDB's (bytewise) order only
             order = pc.sort_indices(framed)
             framed, values = framed.take(order), values.take(order)
-        self._ingest(framed.to_pylist(), values.to_pylist())
+        self._ingest(framed, values)
 
-    def _ingest(self, rows: list[bytes], values: list[bytes]) -> None:
-        """Write strictly ascending ``rows`` with ``values`` into an SST file in this
-        store's directory and ingest it (moved, not copied)."""
+    def _ingest(self, rows: pa.Array, values: pa.Array) -> None:
+        """Write strictly ascending binary ``rows`` with ``values`` into SST files in
+        this store's directory (:func:`~backends.rocksload.write_ssts`: a large load on
+        two cores) and ingest them (moved, not copied)."""
         self._check_open()
         directory = tempfile.mkdtemp(prefix="ingest-", dir=self.path)
-        path = os.path.join(directory, "load.sst")
         try:
-            writer = rocksdict.SstFileWriter(ingest_writer_options())
-            writer.open(path)
-            deque(map(writer.__setitem__, rows, values), maxlen=0)  # no bytecode per row
-            writer.finish()
+            paths = write_ssts(directory, rows, values, ingest_writer_options())
             opts = rocksdict.IngestExternalFileOptions()
             opts.set_move_files(True)
-            self._db.ingest_external_file([path], opts)
+            self._db.ingest_external_file(paths, opts)
         except Exception as exc:  # rocksdict raises plain Exception subclasses
             raise LocalStoreError(f"RocksDB ingestion of {len(rows)} rows failed ({exc})") from exc
         finally:
