@@ -124,11 +124,12 @@ def write_ssts(
     started = time.monotonic()
     try:
         _write_sst(first, rows.slice(0, half), values.slice(0, half), options)
-    except BaseException:
+        wrote = pid is not None and _child_wrote(pid, _child_deadline_s(time.monotonic() - started))
+    except BaseException:  # the child is not reaped yet (_child_wrote reaps it last)
         if pid is not None:
             _kill(pid)
         raise
-    if pid is None or not _child_wrote(pid, _child_deadline_s(time.monotonic() - started)):
+    if not wrote:
         _write_sst(second, *upper, options)
     return [first, second]
 

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pytest
@@ -33,7 +33,7 @@ def _ingested(tmp_path: Path, paths: list[str]) -> list[tuple[bytes, bytes]]:
     db = rocksdict.Rdict(str(tmp_path / "db"), opts)
     try:
         db.ingest_external_file(paths, rocksdict.IngestExternalFileOptions())
-        return list(db.items())
+        return cast(list[tuple[bytes, bytes]], list(db.items()))  # raw mode: bytes
     finally:
         db.close()
 
@@ -61,6 +61,26 @@ def writers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
             return int(Path(path + ".pid").read_text())
 
     return Writers()
+
+
+def _never_ends(*args: Any) -> None:  # pragma: no cover - a child's, until it is killed
+    signal.pause()
+    os._exit(0)
+
+
+def _record_forks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids of the children write_ssts forks from now on."""
+    forked: list[int] = []
+    fork_writer = rocksload._fork_writer
+
+    def recording(*args: Any) -> int | None:
+        pid = fork_writer(*args)
+        assert pid is not None
+        forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(rocksload, "_fork_writer", recording)
+    return forked
 
 
 def _write(tmp_path: Path) -> list[str]:
@@ -109,17 +129,8 @@ def test_a_stuck_child_is_killed_and_reaped(
 ) -> None:
     """A child still running past its deadline (here: one that never writes) is killed
     and reaped; the caller writes its half."""
-    forked: list[int] = []
-    fork_writer = rocksload._fork_writer
-
-    def recording(*args: Any) -> int | None:
-        pid = fork_writer(*args)
-        assert pid is not None
-        forked.append(pid)
-        return pid
-
-    monkeypatch.setattr(rocksload, "_child", lambda *args: (signal.pause(), os._exit(0)))
-    monkeypatch.setattr(rocksload, "_fork_writer", recording)
+    forked = _record_forks(monkeypatch)
+    monkeypatch.setattr(rocksload, "_child", _never_ends)
     monkeypatch.setattr(rocksload, "_child_deadline_s", lambda own_s: 0.05)
     paths = _write(tmp_path)
     assert [writers[p] for p in paths] == [os.getpid(), os.getpid()]
@@ -144,3 +155,22 @@ def test_a_failed_fork_writes_both_halves_here(
     assert "fork failed" in caplog.text
     assert [writers[p] for p in paths] == [os.getpid(), os.getpid()]
     assert _ingested(tmp_path, paths) == EXPECTED
+
+
+@pytest.mark.usefixtures("split")
+def test_a_failing_caller_kills_and_reaps_its_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's own half fails: the error is raised, and the child (here: one that
+    would never end) is killed and reaped first."""
+    forked = _record_forks(monkeypatch)
+
+    def failing(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rocksload, "_child", _never_ends)
+    monkeypatch.setattr(rocksload, "_write_sst", failing)
+    with pytest.raises(OSError, match="No space"):
+        _write(tmp_path)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forked[0], os.WNOHANG)
