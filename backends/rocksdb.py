@@ -43,7 +43,7 @@ from backends.batch import PreparedBatch, prepare_batch
 from backends.errors import KeyGroupOutOfRangeError, LocalStoreError
 from backends.keygroups import DEFAULT_MAX_PARALLELISM, KeyGroupRange, key_group_for
 from backends.localdirs import owned_dir
-from backends.rocksload import ascending, fixed8, sorted_rows8, write_ssts
+from backends.rocksload import ascending, fixed8, sorted_rows8, write_sst
 from backends.serializers import Serializer, pack_list, unpack_list
 from backends.snapshot import SnapshotFile
 from backends.state import MAP_LIKE, Op, StateDescriptor, StateKind, StateMeta
@@ -891,26 +891,82 @@ class RocksDBKeyedStateBackend:
         """Bulk-insert value-like entries given as serialized bytes (the log's ``key``
         and ``value`` columns: the bytes this store keeps), at most one row per key; the
         key groups must be this backend's (the caller filtered them). The rows are
-        built and sorted in Arrow; no Python call per entry beyond one ``put``.
+        built and sorted in numpy or Arrow; no Python call per entry beyond one ``put``.
 
         From ``INGEST_MIN_ROWS`` rows on they are written into an SST file
-        (``SstFileWriter``) that RocksDB ingests: no memtable inserts, no flush of them
-        later, and ingested files go to the last level that has room (the last one,
-        restoring into an empty store). Ingestion gives the file's entries a sequence
-        number above every earlier write, so they replace older values of the same keys
-        (a materialization loaded before, a clear of the log) as a write would. Fewer
-        rows go in one write batch. The rows may come in any order: this sorts them (8-byte
-        keys, int64 and float64, in numpy: :func:`~backends.rocksload.sorted_rows8`).
+        (:meth:`write_values_sst`) that RocksDB ingests (:meth:`ingest_ssts`). Fewer rows
+        go in one write batch. The rows may come in any order.
         """
-        sid = self._register(meta).to_bytes(2, "big")
-        key8 = fixed8(keys) if len(keys) >= INGEST_MIN_ROWS else None
-        if key8 is not None:
-            self._ingest(*sorted_rows8(key_groups, sid, key8, values, len(self._kg_bytes)))
+        self._register(meta)
+        if len(keys) < INGEST_MIN_ROWS:
+            rows, values = self._sorted_rows(meta, key_groups, keys, values)
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            put = wb.put
+            for row, value in zip(rows.to_pylist(), values.to_pylist(), strict=True):
+                put(row, value)
+            self._write(wb)
             return
+        directory = self.ingest_dir()
+        try:
+            path = os.path.join(directory, "load.sst")
+            if self.write_values_sst(meta, key_groups, keys, values, path):
+                self.ingest_ssts([path])
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def ingest_dir(self) -> str:
+        """A new empty directory in this store's directory for SST files to ingest
+        (:meth:`ingest_ssts` moves them: same file system); the caller removes it."""
+        self._check_open()
+        return tempfile.mkdtemp(prefix="ingest-", dir=self.path)
+
+    def write_values_sst(
+        self, meta: StateMeta, key_groups: pa.Array, keys: pa.Array, values: pa.Array, path: str
+    ) -> bool:
+        """Write serialized value-like entries, as :meth:`load_serialized_values` takes
+        them, as the SST file ``path`` for :meth:`ingest_ssts`; False (no file) if there
+        are none. ``meta`` must be registered already. Safe in a forked child (a restore
+        writes half of its states' rows there: :mod:`backends.halves`): reads only the
+        registrations, writes only ``path``.
+
+        Ingestion gives a file's entries a sequence number above every earlier write,
+        so they replace older values of the same keys (a materialization loaded before,
+        a clear of the log) as a write would; ingested files go to the last level that
+        has room (the last one, restoring into an empty store), with no memtable inserts
+        and no flush of them later.
+        """
+        if meta.name not in self._ids:
+            raise LocalStoreError(f"state {meta.name!r} is not registered")
+        rows, values = self._sorted_rows(meta, key_groups, keys, values)
+        if not len(rows):
+            return False
+        write_sst(path, rows, values, ingest_writer_options())
+        return True
+
+    def ingest_ssts(self, paths: list[str]) -> None:
+        """Ingest the SST files ``paths`` (moved, not copied), as one ingestion."""
+        self._check_open()
+        opts = rocksdict.IngestExternalFileOptions()
+        opts.set_move_files(True)
+        try:
+            self._db.ingest_external_file(paths, opts)
+        except Exception as exc:  # rocksdict raises plain Exception subclasses
+            raise LocalStoreError(f"RocksDB ingestion of {paths} failed ({exc})") from exc
+
+    def _sorted_rows(
+        self, meta: StateMeta, key_groups: pa.Array, keys: pa.Array, values: pa.Array
+    ) -> tuple[pa.Array, pa.Array]:
+        """The stored rows of serialized ``keys`` of registered state ``meta``, and their
+        ``values``, in RocksDB's (bytewise) order: 8-byte keys (int64, float64) in numpy
+        (:func:`~backends.rocksload.sorted_rows8`), others in Arrow."""
+        sid = self._ids[meta.name].to_bytes(2, "big")
+        key8 = fixed8(keys)
+        if key8 is not None:
+            return sorted_rows8(key_groups, sid, key8, values, len(self._kg_bytes))
         lengths = pc.binary_length(keys)
         low, high = pc.min_max(lengths).values()
         if low.as_py() is None:
-            return
+            return pa.array([], pa.binary()), values
         prefixes = pa.array([kgb + sid for kgb in self._kg_bytes], pa.binary())
         if low.as_py() == high.as_py():  # fixed-width keys: one length prefix for all
             framed = pc.binary_join_element_wise(
@@ -919,33 +975,10 @@ class RocksDBKeyedStateBackend:
         else:
             lens = pa.array([_LEN.pack(n) for n in lengths.to_pylist()], pa.binary())
             framed = pc.binary_join_element_wise(prefixes.take(key_groups), lens, keys, b"")
-        if len(framed) < INGEST_MIN_ROWS:
-            wb = rocksdict.WriteBatch(raw_mode=True)
-            put = wb.put
-            for row, value in zip(framed.to_pylist(), values.to_pylist(), strict=True):
-                put(row, value)
-            self._write(wb)
-            return
         if not ascending(framed):  # a writer takes RocksDB's (bytewise) order only
             order = pc.sort_indices(framed)
             framed, values = framed.take(order), values.take(order)
-        self._ingest(framed, values)
-
-    def _ingest(self, rows: pa.Array, values: pa.Array) -> None:
-        """Write strictly ascending binary ``rows`` with ``values`` into SST files in
-        this store's directory (:func:`~backends.rocksload.write_ssts`: a large load on
-        two cores) and ingest them (moved, not copied)."""
-        self._check_open()
-        directory = tempfile.mkdtemp(prefix="ingest-", dir=self.path)
-        try:
-            paths = write_ssts(directory, rows, values, ingest_writer_options())
-            opts = rocksdict.IngestExternalFileOptions()
-            opts.set_move_files(True)
-            self._db.ingest_external_file(paths, opts)
-        except Exception as exc:  # rocksdict raises plain Exception subclasses
-            raise LocalStoreError(f"RocksDB ingestion of {len(rows)} rows failed ({exc})") from exc
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        return framed, values
 
     def _write(self, wb: rocksdict.WriteBatch) -> None:
         self._check_open()

@@ -6,6 +6,7 @@ with a materialization plus log, and rescaled p -> q.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -144,17 +145,26 @@ def test_rescales_around_a_materialization_keep_the_latest_state(
 
 
 @pytest.mark.parametrize("source", STORES)
+@pytest.mark.parametrize("halves", [False, True], ids=["one-by-one", "halves"])
 def test_a_long_log_of_value_changes_loads_into_rocksdb_exactly(
-    factory: Factory, source: str
+    factory: Factory,
+    source: str,
+    halves: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A log long enough that RocksDB ingests the folded value changes as an SST file
     (INGEST_MIN_ROWS) over a loaded materialization: newer values, clears and sets after
-    clears all come out as the source has them, list changes beside them too."""
-    from backends import ListStateDescriptor, ValueStateDescriptor
+    clears all come out as the source has them, list changes beside them too.
+    ``halves``: the states folded and written in two halves of the key groups, the upper
+    one in a forked child (:meth:`backends.restore._Replay._finish_in_halves`; the real
+    threshold is far larger): its clears and files count as the caller's do."""
+    from backends import ListStateDescriptor, ValueStateDescriptor, restore
     from backends.restore import restore_into
     from backends.rocksdb import INGEST_MIN_ROWS
     from backends.serializers import INT64
 
+    monkeypatch.setattr(restore, "HALVES_MIN_ROWS", 1024 if halves else 1 << 40)
     keys = 2 * INGEST_MIN_ROWS
     b = factory.logged(source)
     v = b.get_state(ValueStateDescriptor("v", INT64))
@@ -181,7 +191,9 @@ def test_a_long_log_of_value_changes_loads_into_rocksdb_exactly(
     v.update(-1)
     handle = b.checkpoint(2).result()
     target = factory.store("rocksdb")
-    restore_into(target, factory.fileio, [handle])
+    with caplog.at_level(logging.WARNING, logger="backends.halves"):
+        restore_into(target, factory.fileio, [handle])
+    assert "halves:" not in caplog.text  # the child did its half
     assert dump(target) == dump(b.inner)
     # ingested: not one memtable insert per key
     assert target._db.property_int_value("rocksdb.num-entries-active-mem-table") < keys

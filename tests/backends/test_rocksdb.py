@@ -409,23 +409,17 @@ def test_the_rocksdb_store_names_its_own_log_ratio(factory: Factory) -> None:
 
 @pytest.mark.parametrize("key_ser", [INT64, STR], ids=["int64", "str"])
 @pytest.mark.parametrize("sort", [True, False])
-@pytest.mark.parametrize("split", [False, True], ids=["one-file", "split"])
 def test_bulk_loaded_values_are_ingested_over_older_ones(
-    factory: Factory, sort: bool, key_ser: Any, split: bool, monkeypatch: pytest.MonkeyPatch
+    factory: Factory, sort: bool, key_ser: Any
 ) -> None:
     """load_serialized_values from INGEST_MIN_ROWS rows on writes an SST file RocksDB
     ingests (nothing in the memtable): its values replace older ones of the same keys,
     in the memtable or in files, whether the rows came sorted or not; other keys stay.
     8-byte keys (int64, negative ones too: their bytes sort unlike their numbers) are
-    sorted in numpy, others in Arrow. ``split``: two files, one from a forked child
-    (:func:`backends.rocksload.write_ssts`; the real threshold is far larger)."""
+    sorted in numpy, others in Arrow."""
     import pyarrow as pa
 
-    from backends import rocksload
     from backends.rocksdb import INGEST_MIN_ROWS
-
-    if split:
-        monkeypatch.setattr(rocksload, "FORK_MIN_ROWS", 1024)
 
     def key(i: int) -> Any:
         return i - INGEST_MIN_ROWS if key_ser is INT64 else f"k{i}"
