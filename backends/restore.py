@@ -27,13 +27,7 @@ from backends.halves import run_halves
 from backends.handles import KeyedStateHandle, MaterializationHandle, StateFileHandle
 from backends.keygroups import KeyGroupRange
 from backends.localdirs import owned_dir
-from backends.rocksdb import (
-    META_FILE,
-    decode_metadata,
-    decode_state_rows,
-    iter_rows,
-    open_raw_db,
-)
+from backends.rocksdb import META_FILE, decode_metadata, decode_state_rows, iter_rows, open_raw_db
 from backends.rocksload import fixed8
 from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
@@ -454,12 +448,10 @@ class _Replay:
                 rows = _last_per_key(
                     part.filter(pc.and_(pc.greater_equal(kg, lo), pc.less(kg, hi)))
                 )
-                cleared = pc.equal(rows["op"], int(Op.CLEAR))
-                if pc.any(cleared).as_py():
-                    clears = rows.filter(cleared)
+                clears, rows = _split_clears(rows)
+                if clears.num_rows:
                     with pa.ipc.new_file(os.path.join(out, f"{i}.clears"), clears.schema) as f:
                         f.write_table(clears)
-                    rows = rows.filter(pc.invert(cleared))
                 backend.write_values_sst(
                     meta,
                     rows["key_group"].combine_chunks(),
@@ -513,12 +505,20 @@ def _last_per_key(part: pa.Table) -> pa.Table:
     return part.filter(pa.array(~repeated))
 
 
+def _split_clears(rows: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Folded value-like changes ``rows`` as (clears, sets); no copy when there is no
+    clear (the usual case)."""
+    cleared = pc.equal(rows["op"], int(Op.CLEAR))
+    if not pc.any(cleared).as_py():
+        return rows.slice(0, 0), rows
+    return rows.filter(cleared), rows.filter(pc.invert(cleared))
+
+
 def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) -> None:
     """Set or clear, in bulk, the folded value-like changes ``rows`` (one per key)."""
-    cleared = pc.equal(rows["op"], int(Op.CLEAR))
+    gone, rows = _split_clears(rows)
     key_ser = backend.key_serializer
-    if pc.any(cleared).as_py():
-        gone = rows.filter(cleared)
+    if gone.num_rows:
         state = backend.internal_state(meta)
         kbs = gone["key"].to_pylist()
         for kg, kb, key in zip(
@@ -526,7 +526,6 @@ def _load_values(backend: KeyedStateBackend, meta: StateMeta, rows: pa.Table) ->
         ):
             backend.set_current_key_raw(key, kb, kg)
             state.clear()
-        rows = rows.filter(pc.invert(cleared))
     if rows.num_rows == 0:
         return
     load_serialized = getattr(backend, "load_serialized_values", None)
