@@ -190,10 +190,23 @@ def ingest_writer_options() -> rocksdict.Options:
     return opts
 
 
+def _rdict(path: str, opts: rocksdict.Options) -> rocksdict.Rdict:
+    """``rocksdict.Rdict(path, opts)`` with ``opts`` for the default column family too.
+
+    Given options alone, rocksdict 0.3.29 opens a database that has an ``OPTIONS`` file
+    (any it wrote before: a reopened store, a restored snapshot, a snapshot's copy) with
+    the column family options read from that file, and a new 8 MiB block cache: a
+    restored store ran with its own small cache instead of the shared one
+    (:func:`shared_block_cache`), and with whatever table and compression options were
+    saved, not :func:`db_options`'s."""
+    return rocksdict.Rdict(path, opts, column_families={"default": opts})
+
+
 def open_raw_db(path: str) -> rocksdict.Rdict:
-    """Open (or create) a raw-mode database with the WAL off for writes."""
+    """Open (or create) a raw-mode database with the WAL off for writes, with
+    :func:`db_options` whatever options its files were written with."""
     try:
-        db = rocksdict.Rdict(path, db_options())
+        db = _rdict(path, db_options())
     except Exception as exc:  # rocksdict raises plain Exception subclasses
         raise LocalStoreError(f"cannot open RocksDB at {path} ({exc})") from exc
     wo: Any = rocksdict.WriteOptions()
@@ -455,7 +468,7 @@ class RocksDBSnapshot:
         """
         self.compact = False
         try:
-            db = rocksdict.Rdict(self.checkpoint_dir, db_options())
+            db = _rdict(self.checkpoint_dir, db_options())
             try:
                 db.compact_range(None, None)
             finally:

@@ -160,3 +160,11 @@ def workload(backend: Any, seed: int, n: int, clock: Any, keys: int = 40) -> Non
         key = f"k{rnd.randrange(keys)}"
         if owns(backend, key):
             apply_op(backend, key, rnd.randrange(N_OPS), i, clock, timers)
+
+
+def opened_with_level(log: str) -> int:
+    """The bottommost zstd level a RocksDB database was last opened with, from its LOG
+    (RocksDB writes every option it opens with there)."""
+    with open(log) as f:
+        levels = [ln.split(":")[-1] for ln in f if "bottommost_compression_opts.level:" in ln]
+    return int(levels[-1])

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+import backends.rocksdb as rocksdb
 from backends import (
     KeyGroupRange,
     ListStateDescriptor,
@@ -23,7 +24,7 @@ from backends.serializers import INT64, STR
 from dstl.errors import CorruptionError, SchemaMismatchError
 from materializer import Materializer
 from tests.backends.conftest import MAX_PAR, Factory
-from tests.backends.helpers import dump, workload
+from tests.backends.helpers import dump, opened_with_level, workload
 
 
 def test_rows_are_prefixed_by_key_group_then_state(factory: Factory) -> None:
@@ -324,7 +325,7 @@ def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> N
 
 
 def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
-    factory: Factory,
+    factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Writes made after prepare_snapshot's compaction land in L0 beside the last level
     and repeat its keys; when they are a large part of the snapshot, its copy is
@@ -358,8 +359,10 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
         entries, before, levels = _sst_facts(snap.checkpoint_dir)
         assert snap.compact and len(levels) > 1 and entries == 2 * keys
         assert before >= 2 * SNAPSHOT_COMPACT_MIN_BYTES
+        monkeypatch.setattr(rocksdb, "BOTTOMMOST_ZSTD_LEVEL", 5)  # the copy's OPTIONS: 7
         names = [f.name for f in snap.files()]
         assert not {"LOG", "LOCK"} & set(names)
+        assert opened_with_level(os.path.join(snap.checkpoint_dir, "LOG")) == 5  # today's
         entries, after, levels = _sst_facts(snap.checkpoint_dir)
         assert entries == keys and len(levels) == 1 and after < before
         assert not last_level & set(names)  # new files: the compacted copy's own

@@ -4,6 +4,7 @@ a store not empty, a materialization it owns only part of (rescale), TTL states.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from backends.restore import restore_changelog_backend
 from backends.serializers import INT64, STR
 from materializer import Materializer
 from tests.backends.conftest import MAX_PAR, Factory
-from tests.backends.helpers import dump
+from tests.backends.helpers import dump, opened_with_level
 
 
 def _fill(b: Any, seed: int, ttl: bool = False) -> None:
@@ -77,6 +78,25 @@ def test_an_empty_store_adopts_the_files(factory: Factory, monkeypatch: pytest.M
     again = target.checkpoint(2).result(timeout=30)
     assert again.materialized == (mat,)
     assert factory.restored("heap", [again]) == dump(target.inner)
+
+
+def test_an_adopted_database_runs_with_the_stores_options(
+    factory: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adopted files carry the OPTIONS file of the store that wrote them; the store
+    must still run with db_options(): the shared block cache (rocksdict gave a reopened
+    database a new 8 MiB one) and today's column family options, not the saved ones."""
+    import backends.rocksdb as rocksdb
+
+    _, handle = _materialized(factory)
+    monkeypatch.setattr(rocksdb, "BOTTOMMOST_ZSTD_LEVEL", 5)  # the saved OPTIONS say 7
+    target = factory.logged("rocksdb")
+    restore_changelog_backend(target, factory.fileio, [handle])
+    assert not target.inner.can_adopt()
+    db = target.inner._db
+    assert db.property_int_value("rocksdb.block-cache-capacity") == rocksdb.BLOCK_CACHE_BYTES
+    log = os.path.join(target.inner.path, "db", "LOG")
+    assert opened_with_level(log) == 5
 
 
 def test_a_heap_store_loads_rows(factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
