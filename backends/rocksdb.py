@@ -81,6 +81,7 @@ MAX_MANIFEST_FILE_SIZE = 4 << 10
 # Options for the per-record path. See :func:`db_options`.
 BLOCK_CACHE_BYTES = 256 << 20
 MEMTABLE_BLOOM_RATIO = 0.1
+SST_BLOOM_BITS_PER_KEY = 10
 # A snapshot waits for the memtable flush in sleeps of this long (GIL released), and
 # after this long lets a blocking flush report why it has not finished.
 FLUSH_POLL_S = 0.001
@@ -155,8 +156,16 @@ def db_options() -> rocksdict.Options:
     - A whole-key bloom filter on the memtable (``MEMTABLE_BLOOM_RATIO`` of it): most
       reads of uniform keys are for keys not in the memtable, and the filter answers
       them without a skip-list search (~1 us of a ~4 us read when the memtable is full).
-    - No bloom filter on SSTs: every read of this job finds its key, so filters only
-      cost (measured slower), and they would be uploaded with every SST.
+    - A whole-key bloom filter (``SST_BLOOM_BITS_PER_KEY``) in every SST but the last
+      level's (``optimize_filters_for_hits``). A read goes from the newest level to the
+      oldest and stops at the first that holds its key; for uniform keys that is mostly
+      the last level, so without filters every L0 file and upper level in between was
+      searched too (index, then data block). With the end-to-end job's usual shape (a
+      full memtable, one or two files above the last level) a read took 4.0 us instead
+      of 5.6 us (two stores alternated in one process), and the whole job ran at
+      42-50k records/s instead of 36-38k (three alternated bench workers). The last
+      level, where most keys are and every read that gets there finds its key, keeps
+      none: a compacted snapshot (all last level) uploads no filter bytes.
     """
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
@@ -172,6 +181,8 @@ def db_options() -> rocksdict.Options:
     table.set_block_size(BLOCK_SIZE)
     table.set_block_restart_interval(BLOCK_RESTART_INTERVAL)
     table.set_block_cache(shared_block_cache())
+    table.set_bloom_filter(SST_BLOOM_BITS_PER_KEY, False)  # whole keys
+    opts.set_optimize_filters_for_hits(True)  # none in the last level
     opts.set_block_based_table_factory(table)
     opts.set_max_manifest_file_size(MAX_MANIFEST_FILE_SIZE)
     opts.set_memtable_whole_key_filtering(True)

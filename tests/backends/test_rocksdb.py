@@ -324,6 +324,33 @@ def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> N
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
 
 
+def test_files_above_the_last_level_have_bloom_filters_and_the_last_level_none(
+    tmp_path: Any,
+) -> None:
+    """A read searches every level above the one holding its key: filters there spare
+    the search; the last level (most keys, what a compacted snapshot uploads) has none."""
+
+    def filtered(db: Any) -> dict[int, bool]:
+        out: dict[int, bool] = {}
+        for f in db.live_files():
+            with open(str(tmp_path) + f["name"], "rb") as fh:
+                out[f["level"]] = b"fullfilter.rocksdb.BuiltinBloomFilter" in fh.read()
+        return out
+
+    db = open_raw_db(str(tmp_path))
+    try:
+        for version in range(2):
+            for i in range(5000):
+                db[b"k%06d" % i] = b"v%d" % version
+            db.flush()
+        assert filtered(db) == {0: True}
+        db.compact_range(None, None)
+        assert filtered(db) == {6: False}
+        assert db[b"k000042"] == b"v1"
+    finally:
+        db.close()
+
+
 def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
