@@ -15,9 +15,10 @@ RocksDB checkpoint (hard links, flushed memtable) in a fresh directory next to t
 database; its files are the SSTs (named as RocksDB names them, stable across snapshots)
 plus the few small files needed to open them as a database. Its memtable flush runs on
 the task thread without the GIL, and :meth:`RocksDBKeyedStateBackend.prepare_snapshot`
-first compacts the database and flushes most of the memtable in the background (see
-:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs), so a
-materialization uploads each key once. A restore ingests folded log values as an SST
+first flushes most of the memtable in the background (see
+:meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs); a
+materialization's snapshot is compacted in its own copy on the upload thread
+(:meth:`RocksDBSnapshot.compact_copy`), so it uploads each key once. A restore ingests folded log values as an SST
 file (:meth:`RocksDBKeyedStateBackend.load_serialized_values`).
 """
 
@@ -28,7 +29,6 @@ import os
 import shutil
 import struct
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -137,10 +137,9 @@ def db_options() -> rocksdict.Options:
       2M rows, on a background thread). Blocks are cached uncompressed, so a larger
       block costs a read nothing once cached. Only compacted bottommost files are that
       small: flushed and upper-level files keep each entry's sequence number (RocksDB
-      zeroes them in the last level), so a snapshot compacts first
-      (:meth:`RocksDBKeyedStateBackend.prepare_snapshot`) and, when writes made
-      meanwhile left much above the last level, its copy is compacted again before the
-      upload (:meth:`RocksDBSnapshot.compact_copy`).
+      zeroes them in the last level), so a materialization's snapshot with much above
+      the last level is compacted in its copy before the upload
+      (:meth:`RocksDBSnapshot.compact_copy`).
     - ``max_manifest_file_size`` 4 KiB: the MANIFEST changes at every flush, so every
       materialization uploads it whole; rolling it over at the first edit past 4 KiB keeps
       it near the live-file list instead of an ever-growing edit history.
@@ -531,39 +530,6 @@ def decode_metadata(data: bytes, location: str) -> tuple[str, int, dict[int, Sta
         raise CorruptionError(f"invalid {META_FILE} ({exc})", location) from exc
 
 
-class _Compaction:
-    """A manual compaction of a whole database (``compact_range``, which flushes the
-    memtable first) on its own thread. ``compact_range`` releases the GIL; RocksDB lets
-    the task thread read and write meanwhile. Started and looked at by the task thread;
-    the database must not close before :meth:`wait`."""
-
-    def __init__(self, db: rocksdict.Rdict) -> None:
-        self._db = db
-        self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name="rocksdb-compaction", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._db.compact_range(None, None)
-        except Exception as exc:  # rocksdict raises plain Exception subclasses
-            self._error = exc
-
-    def finished(self) -> bool:
-        """Whether the compaction has ended (successfully or not)."""
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        """Wait for the compaction to end."""
-        self._thread.join()
-
-    def result(self, path: str) -> None:
-        """Raise :class:`LocalStoreError` if the ended compaction failed."""
-        self._thread.join()
-        if self._error is not None:
-            raise LocalStoreError(f"RocksDB compaction of {path} failed ({self._error})")
-
-
 class RocksDBKeyedStateBackend:
     """Keyed state in a local RocksDB (rocksdict, raw mode, WAL off).
 
@@ -620,8 +586,7 @@ class RocksDBKeyedStateBackend:
         self._raw: dict[str, Any] = {}
         self._states: dict[str, Any] = {}
         self._preflush = 0  # flushes prepare_snapshot started for the next snapshot
-        self._compaction: _Compaction | None = None  # prepare_snapshot's, while it runs
-        self._compacted = False  # prepare_snapshot compacted since the last snapshot
+        self._prepared = False  # prepare_snapshot said ready since the last snapshot
         self._closed = False
 
     def __enter__(self) -> RocksDBKeyedStateBackend:
@@ -735,10 +700,9 @@ class RocksDBKeyedStateBackend:
         Expired TTL entries are not purged here (that would scan the state); they are
         dropped on access and when a snapshot is restored.
 
-        The writes made while :meth:`prepare_snapshot` compacted land in L0 (or a level
-        above the last) beside the compacted last level, repeating keys it holds: at 100k
-        uniform keys 10-50% of a snapshot's SST bytes. In a snapshot that
-        :meth:`prepare_snapshot` compacted for (a materialization's), when they are more than
+        The writes flushed since RocksDB last compacted into the last level sit in L0 and
+        the levels above it, repeating keys the last level holds. In a snapshot that
+        :meth:`prepare_snapshot` prepared (a materialization's), when they are more than
         ``SNAPSHOT_COMPACT_UPPER`` of the bytes (and at least
         ``SNAPSHOT_COMPACT_MIN_BYTES``), the snapshot's copy is compacted on the upload
         thread before its files are read (:meth:`RocksDBSnapshot.compact_copy`): one
@@ -749,11 +713,18 @@ class RocksDBKeyedStateBackend:
         snapshots (a checkpoint with the changelog off) are never compacted: every one
         would rewrite and upload the whole state (1.9 s per checkpoint at 1M keys,
         instead of 0.1 s) where it now shares all but its new files.
+
+        The store itself is not compacted for a snapshot: it was, by
+        :meth:`prepare_snapshot` before the boundary, and for uniform keys the writes made
+        during that compaction (~2 s at 1M keys) then left enough above the last level
+        for the copy to be compacted again, so a materialization rewrote the whole state
+        twice. RocksDB's own compactions keep the store's levels in shape, and reads skip
+        the files above the last level by their bloom filters (:func:`db_options`).
         """
         self._check_open()
-        prepared = self._compacted
+        prepared = self._prepared
         self._preflush = 0
-        self._compacted = False
+        self._prepared = False
         self._flush_memtable()
         live = self._db.live_files()  # before: a background compaction may end meanwhile
         directory = tempfile.mkdtemp(prefix="snapshot-", dir=self.path)
@@ -780,35 +751,17 @@ class RocksDBKeyedStateBackend:
         """Make the next :meth:`snapshot` small and short; True when it will be. Task
         thread.
 
-        First, unless the SSTs are all in one level that is not L0 (whose files overlap)
-        and the memtable is small, it compacts the database (a manual compaction of the
-        whole key range, memtable included) on a background thread and
-        returns False until that finished: a snapshot's files are what a materialization
-        uploads and a checkpoint references, and uncompacted they hold every overwritten
-        version of a key in L0 and the upper levels, each entry with its sequence number
-        (the end-to-end state at 1M keys was 1.7x its Parquet size, 1.1x compacted).
-        ``compact_range`` releases the GIL, so the task and the uploads run on meanwhile;
-        a compaction rewrites only the last-level files that upper levels overlap (few
-        for hot keys). Then, while the memtable (the writes made during the compaction)
-        holds more than ``SNAPSHOT_FLUSH_ENTRIES``, it flushes it in RocksDB's background
-        thread and returns False until that flush finished, then looks again (at most
-        ``PREPARE_FLUSH_ROUNDS`` flushes: a task writing faster than RocksDB flushes must
-        not make many small L0 files). The snapshot's own flush (on the task thread, see
-        :meth:`snapshot`) then only has what was written since: milliseconds. It changes
+        While the memtable holds more than ``SNAPSHOT_FLUSH_ENTRIES``, it flushes it in
+        RocksDB's background thread and returns False until that flush finished, then
+        looks again (at most ``PREPARE_FLUSH_ROUNDS`` flushes: a task writing faster than
+        RocksDB flushes must not make many small L0 files). The snapshot's own flush (on
+        the task thread, see :meth:`snapshot`) then only has what was written since:
+        milliseconds. It marks the next snapshot as a materialization's, whose copy is
+        compacted when much of it is above the last level (:meth:`snapshot`). It changes
         no state and no boundary: a snapshot is exact with or without it.
         """
         self._check_open()
-        if not self._compacted:
-            if self._compaction is None:
-                if self._needs_compaction():
-                    self._compaction = _Compaction(self._db)
-                    return False
-            elif not self._compaction.finished():
-                return False
-            else:
-                self._compaction.result(self.path)
-                self._compaction = None
-            self._compacted = True
+        self._prepared = True
         db = self._db
         if self._preflush and db.property_int_value("rocksdb.num-immutable-mem-table"):
             return False  # our flush is still running
@@ -822,24 +775,6 @@ class RocksDBKeyedStateBackend:
             raise LocalStoreError(f"RocksDB flush of {self.path} failed ({exc})") from exc
         self._preflush += 1
         return False
-
-    def _needs_compaction(self) -> bool:
-        """Whether the SSTs may hold overwritten versions a compaction drops (they are in
-        more than one level, or in several L0 files, which overlap), or the memtable
-        holds more than ``SNAPSHOT_FLUSH_ENTRIES`` (the compaction flushes it first)."""
-        db = self._db
-        if (db.property_int_value("rocksdb.num-entries-active-mem-table") or 0) > (
-            SNAPSHOT_FLUSH_ENTRIES
-        ):
-            return True
-        levels = [f["level"] for f in db.live_files()]
-        return len(set(levels)) > 1 or levels.count(0) > 1
-
-    def _wait_compaction(self) -> None:
-        """Wait for a running background compaction (before the database closes)."""
-        if self._compaction is not None:
-            self._compaction.wait()
-            self._compaction = None
 
     def _flush_memtable(self) -> None:
         """Flush the memtable and wait for the flush without holding the GIL. Task
@@ -1116,7 +1051,6 @@ class RocksDBKeyedStateBackend:
         if sorted(metas) != list(range(len(metas))):
             raise CorruptionError(f"state ids {sorted(metas)} are not 0..n-1", db_dir)
         live = os.path.join(self.path, "db")
-        self._wait_compaction()
         self._db.close()
         shutil.rmtree(live)
         os.rename(db_dir, live)
@@ -1135,7 +1069,6 @@ class RocksDBKeyedStateBackend:
             return
         self._closed = True
         try:
-            self._wait_compaction()
             self._db.close()
         finally:
             self._dir.release()

@@ -237,10 +237,10 @@ def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory)
 def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact(
     factory: Factory,
 ) -> None:
-    """prepare_snapshot starts the compaction (which flushes the memtable first) and
-    says when it finished; only writes made meanwhile are left for the snapshot's own
-    flush, and the snapshot holds them all (it is exact whatever prepare did). A small
-    memtable is ready at once."""
+    """prepare_snapshot starts a flush of a large memtable and says when it finished;
+    only writes made meanwhile are left for the snapshot's own flush, and the snapshot
+    holds them all (it is exact whatever prepare did). A small memtable is ready at
+    once."""
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", INT64))
     for i in range(50_000):  # more than SNAPSHOT_FLUSH_ENTRIES
@@ -282,46 +282,56 @@ def _sst_facts(checkpoint_dir: str) -> tuple[int, int, set[int]]:
 
 def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> None:
     """After updates flushed as checkpoints do, the SSTs hold keys several times (L0
-    files over the last level); prepare_snapshot compacts them in the background, so the
-    snapshot's files hold each key once (what a materialization uploads), in fewer
-    bytes, while writes made during the compaction stay in it."""
+    files over the last level); a materialization's snapshot (prepared) is compacted in
+    its copy before its files are read, so they hold each key once, in fewer bytes, with
+    the writes made up to the boundary and none after it. The store's own files are
+    left as RocksDB keeps them (no second compaction of the whole state)."""
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", INT64))
-    keys, hot = 20_000, 3_000
-    rounds = [range(keys), range(keys), range(hot), range(hot)]  # L0 stays under its
-    for r, updated in enumerate(rounds):  # compaction triggers after the first two
+    keys, hot = 20_000, 8_000
+    for r, updated in enumerate([range(keys), range(hot), range(hot)]):
         for i in updated:
             b.set_current_key(f"k{i}")
             s.update(r * keys + i)
         b.snapshot().release()  # a flush per round, as a checkpoint without changelog
-    unprepared = b.snapshot()
+        if r == 0:
+            b._db.compact_range(None, None)  # the first round in the last level
+    unprepared = b.snapshot()  # two L0 files over it: under L0's compaction trigger
     try:
         entries, before, _ = _sst_facts(unprepared.checkpoint_dir)
     finally:
         unprepared.release()
     assert entries >= keys + 2 * hot  # the precondition: overwritten versions in the files
     b.set_current_key("k0")
-    s.update(-1)  # left in the memtable: the compaction flushes it first
-    deadline = time.monotonic() + 60
-    assert not b.prepare_snapshot()  # the compaction started
-    b.set_current_key("late")
-    s.update(-2)  # written while it runs (or just before: then in its flush)
-    while not b.prepare_snapshot():
-        assert time.monotonic() < deadline, "the background compaction did not finish"
+    s.update(-1)  # in the memtable: the snapshot's flush writes it
+    assert b.prepare_snapshot()  # a small memtable: ready at once
     snap = b.snapshot()
+    b.set_current_key("late")
+    s.update(-2)  # after the boundary
     try:
+        assert snap.compact
+        stores_files = {f["name"].lstrip("/") for f in b._db.live_files()}
+        uploaded = {f.name for f in snap.files() if f.name.endswith(".sst")}
         entries, after, levels = _sst_facts(snap.checkpoint_dir)
         copy = open_raw_db(snap.checkpoint_dir)
         rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
         copy.close()
     finally:
         snap.release()
-    assert entries <= keys + 1  # each key once: the late one maybe in a second file
+    assert entries == keys  # each key once
     assert after < before
-    assert len(levels - {0}) == 1
-    expected = {f"k{i}": (3 * keys + i if i < hot else keys + i) for i in range(keys)}
-    expected.update({"k0": -1, "late": -2})
+    assert len(levels) == 1
+    assert not uploaded & stores_files  # the copy's own files
+    assert _sst_facts_live(b)[0] >= keys + 2 * hot  # the store was not compacted for it
+    expected = {f"k{i}": (2 * keys + i if i < hot else i) for i in range(keys)}
+    expected["k0"] = -1
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
+
+
+def _sst_facts_live(b: Any) -> tuple[int, set[int]]:
+    """(entries, levels) of a store's own SSTs."""
+    files = b._db.live_files()
+    return sum(f["num_entries"] for f in files), {f["level"] for f in files}
 
 
 def test_files_above_the_last_level_have_bloom_filters_and_the_last_level_none(
@@ -354,7 +364,7 @@ def test_files_above_the_last_level_have_bloom_filters_and_the_last_level_none(
 def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     factory: Factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Writes made after prepare_snapshot's compaction land in L0 beside the last level
+    """Writes flushed since the last compaction into the last level sit in L0 beside it
     and repeat its keys; when they are a large part of the snapshot, its copy is
     compacted before its files are read: one level, each key once, the rows exactly the
     snapshot's (later writes excluded), the store's own files untouched. A snapshot with
@@ -367,18 +377,19 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     for i in range(keys):
         b.set_current_key(f"k{i}")
         s.update(i)
-    deadline = time.monotonic() + 60
-    while not b.prepare_snapshot():  # compacts into the last level
-        assert time.monotonic() < deadline, "the background compaction did not finish"
+    b._flush_memtable()
+    b._db.compact_range(None, None)  # the precondition: all in the last level
+    assert b.prepare_snapshot()
     few = b.snapshot()  # nothing above the last level
     assert not few.compact
     last_level = {f.name for f in few.files() if f.name.endswith(".sst")}
     few.release()
-    while not b.prepare_snapshot():  # a materialization's snapshot again
-        assert time.monotonic() < deadline, "the background compaction did not finish"
     for i in range(keys):  # every key again: an L0 file as large as the last level
         b.set_current_key(f"k{i}")
         s.update(-i)
+    deadline = time.monotonic() + 60
+    while not b.prepare_snapshot():  # a materialization's snapshot again
+        assert time.monotonic() < deadline, "the background flush did not finish"
     snap = b.snapshot()
     try:
         b.set_current_key("k0")
@@ -406,7 +417,7 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
         assert s.value() == value
 
 
-def test_a_snapshot_prepare_snapshot_did_not_compact_for_keeps_the_stores_files(
+def test_an_unprepared_snapshot_keeps_the_stores_files(
     factory: Factory,
 ) -> None:
     """A checkpoint with the changelog off snapshots without prepare_snapshot: however
@@ -504,20 +515,3 @@ def test_bulk_load_refuses_a_key_group_out_of_range(factory: Factory) -> None:
         )
     b.set_current_key(0)
     assert s.value() is None
-
-
-def test_close_waits_for_a_running_compaction(factory: Factory) -> None:
-    """A store closed while prepare_snapshot's compaction runs waits for it, then closes
-    (RocksDB must not close under a running compaction); its directory is gone."""
-    b = factory.store("rocksdb")
-    s = b.get_state(ValueStateDescriptor("v", INT64))
-    for r in range(3):
-        for i in range(30_000):  # over SNAPSHOT_FLUSH_ENTRIES: the compaction is needed
-            b.set_current_key(f"k{i}")
-            s.update(r)
-    assert not b.prepare_snapshot()
-    b.close()
-    assert b._compaction is None
-    assert not os.path.exists(b.path)
-    with pytest.raises(LocalStoreError):
-        b.prepare_snapshot()
