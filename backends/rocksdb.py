@@ -18,8 +18,8 @@ the task thread without the GIL, and :meth:`RocksDBKeyedStateBackend.prepare_sna
 first flushes most of the memtable in the background (see
 :meth:`RocksDBKeyedStateBackend.snapshot` for what consistency needs); a
 materialization's snapshot is compacted in its own copy on the upload thread
-(:meth:`RocksDBSnapshot.compact_copy`), so it uploads each key once. A restore ingests folded log values as an SST
-file (:meth:`RocksDBKeyedStateBackend.load_serialized_values`).
+(:meth:`RocksDBSnapshot.compact_copy`), so it uploads each key once. A restore ingests
+folded log values as an SST file (:meth:`RocksDBKeyedStateBackend.load_serialized_values`).
 """
 
 from __future__ import annotations
