@@ -270,9 +270,13 @@ def _sst_facts(checkpoint_dir: str) -> tuple[int, int, set[int]]:
     """(entries, bytes, levels) of the SSTs of a snapshot's checkpoint directory."""
     db = open_raw_db(checkpoint_dir)
     try:
-        files = db.live_files()
+        return _file_facts(db.live_files())
     finally:
         db.close()
+
+
+def _file_facts(files: list[dict[str, Any]]) -> tuple[int, int, set[int]]:
+    """(entries, bytes, levels) of RocksDB's ``live_files()``."""
     return (
         sum(f["num_entries"] for f in files),
         sum(f["size"] for f in files),
@@ -322,16 +326,10 @@ def test_a_prepared_snapshot_holds_no_overwritten_version(factory: Factory) -> N
     assert after < before
     assert len(levels) == 1
     assert not uploaded & stores_files  # the copy's own files
-    assert _sst_facts_live(b)[0] >= keys + 2 * hot  # the store was not compacted for it
+    assert _file_facts(b._db.live_files())[0] >= keys + 2 * hot  # store not compacted
     expected = {f"k{i}": (2 * keys + i if i < hot else i) for i in range(keys)}
     expected["k0"] = -1
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == expected
-
-
-def _sst_facts_live(b: Any) -> tuple[int, set[int]]:
-    """(entries, levels) of a store's own SSTs."""
-    files = b._db.live_files()
-    return sum(f["num_entries"] for f in files), {f["level"] for f in files}
 
 
 def test_files_above_the_last_level_have_bloom_filters_and_the_last_level_none(

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import backends.restore
+import backends.rocksdb as rocksdb
 from backends import (
     KeyGroupRange,
     ListStateDescriptor,
@@ -86,8 +87,6 @@ def test_an_adopted_database_runs_with_the_stores_options(
     """The adopted files carry the OPTIONS file of the store that wrote them; the store
     must still run with db_options(): the shared block cache (rocksdict gave a reopened
     database a new 8 MiB one) and today's column family options, not the saved ones."""
-    import backends.rocksdb as rocksdb
-
     _, handle = _materialized(factory)
     monkeypatch.setattr(rocksdb, "BOTTOMMOST_ZSTD_LEVEL", 5)  # the saved OPTIONS say 7
     target = factory.logged("rocksdb")
