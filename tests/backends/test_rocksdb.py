@@ -275,6 +275,20 @@ def _sst_facts(checkpoint_dir: str) -> tuple[int, int, set[int]]:
         db.close()
 
 
+def _table_properties(db: Any) -> dict[str, float]:
+    """The numeric table properties of every SST of ``db``, summed (RocksDB's
+    ``rocksdb.aggregated-table-properties``: ``name=value; ...``)."""
+    text = db.property_value("rocksdb.aggregated-table-properties")
+    out: dict[str, float] = {}
+    for item in text.split(";"):
+        name, _, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def _file_facts(files: list[dict[str, Any]]) -> tuple[int, int, set[int]]:
     """(entries, bytes, levels) of RocksDB's ``live_files()``."""
     return (
@@ -365,9 +379,10 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
     """Writes flushed since the last compaction into the last level sit in L0 beside it
     and repeat its keys; when they are a large part of the snapshot, its copy is
     compacted before its files are read: one level, each key once, the rows exactly the
-    snapshot's (later writes excluded), the store's own files untouched. A snapshot with
-    only a few such writes keeps the store's files (and their names: shared uploads)."""
-    from backends.rocksdb import SNAPSHOT_COMPACT_MIN_BYTES
+    snapshot's (later writes excluded), the store's own files untouched, in the copy's
+    larger blocks. A snapshot with only a few such writes keeps the store's files (and
+    their names: shared uploads)."""
+    from backends.rocksdb import BLOCK_SIZE, COPY_BLOCK_SIZE, SNAPSHOT_COMPACT_MIN_BYTES
 
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", INT64))
@@ -404,7 +419,12 @@ def test_writes_left_above_the_last_level_are_compacted_in_the_snapshots_copy(
         assert not last_level & set(names)  # new files: the compacted copy's own
         copy = open_raw_db(snap.checkpoint_dir)
         rows = dict(iter_rows(copy, b"", b"\xff\xff\xff"))
+        props = _table_properties(copy)
         copy.close()
+        # raw (uncompressed, unshared) bytes per data block: ~170K at the copy's 128 KiB
+        # blocks, ~85K at the store's 64 KiB
+        per_block = (props["raw key size"] + props["raw value size"]) / props["# data blocks"]
+        assert per_block > COPY_BLOCK_SIZE > BLOCK_SIZE
     finally:
         snap.release()
     assert {STR.deserialize(k[8:]): INT64.deserialize(v) for k, v in rows.items()} == {
