@@ -28,12 +28,12 @@ that it holds no lock file, socket or output pipe of the parent). It always ends
 end of file, or its next write fails with a broken pipe.
 
 While a critical section of the parent is open (our own part of a checkpoint, see
-:mod:`dstl.gil`) the child is stopped (``SIGSTOP``, at most
+:mod:`dstl.gil`) the child is stopped (:data:`~dstl.gil.PAUSE_SIGNAL`, at most
 :data:`~dstl.gil.PAUSE_MAX_S`; :func:`~dstl.gil.pause_during_critical` says what it
 saves). A stopped child would never see its parent go away, so it leads a process group
 of its own: when the parent dies, the group is orphaned, and the kernel sends a group
 with a stopped member ``SIGHUP`` (which ends the child) and ``SIGCONT`` (POSIX's rule
-for orphaned process groups).
+for orphaned process groups), and discards a stop that reaches the child afterwards.
 
 Wire format (private; both ends are this file): the parent writes one little-endian
 int64, the piece size in rows (``-1``: ``None``), then closes its end of the request
@@ -69,7 +69,7 @@ from backends.heap import HeapKeyedStateBackend, StateSnapshot
 from backends.keygroups import KeyGroupRange
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
-from dstl.gil import forget_paused, pause_during_critical, resume_overdue
+from dstl.gil import PAUSE_SIGNAL, forget_paused, pause_during_critical, resume_overdue
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ def _child(
     try:
         gc.disable()
         os.setpgid(0, 0)  # a group of its own: see the module docstring
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, PAUSE_SIGNAL):
             signal.signal(sig, signal.SIG_DFL)
         _close_inherited(request_fd, out_fd)
         pa.set_memory_pool(pa.system_memory_pool())

@@ -166,15 +166,28 @@ PAUSE_MAX_S = CRITICAL_WAIT_MAX_S
 """How long a registered process stays stopped at most, from the opening of the section
 that stopped it. Past it, it runs until every section open then has closed."""
 
+PAUSE_SIGNAL = signal.SIGTSTP
+"""The signal that stops a registered process (``SIGCONT`` continues it).
+
+Not ``SIGSTOP``: a stop takes effect only when the process next runs. A parent killed
+before then (on a busy machine, right after it sent the stop) dies while the kernel still
+sees no stopped member in the orphaned group, so it sends none the ``SIGHUP`` and
+``SIGCONT`` that end it; the process stops afterwards, for good, holding a fork's memory
+(``test_a_stopped_child_ends_when_its_parent_is_killed`` failed so beside other tests).
+The kernel discards a ``SIGTSTP`` that a member of an orphaned group takes, so that
+process runs on and sees its parent gone. A registered process keeps ``SIGTSTP`` at its
+default action, and leads a group whose parent is in its session (a group orphaned while
+the parent lives is never stopped: harmless, only the pause's gain is lost)."""
+
 _paused: set[int] = set()  # pids stopped while a section is open (under _critical_cond)
 _stopped_since: float | None = None  # when the current stop began; None: none (they run)
 _hold_off = False  # overdue: not stopped again until no section is open
 
 
 def pause_during_critical(pid: int) -> None:
-    """Stop process ``pid`` (``SIGSTOP``) while a critical section is open, and continue it
-    (``SIGCONT``) when the last one closes or after :data:`PAUSE_MAX_S`, whichever comes
-    first; until :func:`forget_paused`. Any thread.
+    """Stop process ``pid`` (:data:`PAUSE_SIGNAL`) while a critical section is open, and
+    continue it (``SIGCONT``) when the last one closes or after :data:`PAUSE_MAX_S`,
+    whichever comes first; until :func:`forget_paused`. Any thread.
 
     Why: a heap materialization's forked child encodes on the core the task threads
     leave free when they stand aside, and our own critical steps (the barrier's segment,
@@ -195,7 +208,7 @@ def pause_during_critical(pid: int) -> None:
     with _critical_cond:
         _paused.add(pid)
         if _stopped_since is not None:
-            _signal(pid, signal.SIGSTOP)
+            _signal(pid, PAUSE_SIGNAL)
 
 
 def forget_paused(pid: int) -> None:
@@ -227,7 +240,7 @@ def _pause_locked(now: float) -> None:
     _resume_overdue_locked(now)
     if _stopped_since is None and not _hold_off:  # a stop begins (for those to come too)
         for pid in tuple(_paused):  # a copy: see _critical_cond
-            _signal(pid, signal.SIGSTOP)
+            _signal(pid, PAUSE_SIGNAL)
         _stopped_since = now
 
 

@@ -4,9 +4,10 @@ for with a bound (a report that never comes fails the test instead of hanging it
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
+
+from dstl.gil import PAUSE_SIGNAL
 
 
 def _reported(pid: int, flag: int) -> int:
@@ -20,9 +21,9 @@ def _reported(pid: int, flag: int) -> int:
 
 
 def stopped(pid: int) -> None:
-    """Wait until the child ``pid`` has stopped (``SIGSTOP``)."""
+    """Wait until the child ``pid`` has stopped (:data:`~dstl.gil.PAUSE_SIGNAL`)."""
     status = _reported(pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
+    assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == PAUSE_SIGNAL
 
 
 def continued(pid: int) -> None:

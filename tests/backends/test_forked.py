@@ -6,6 +6,7 @@ for real.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -352,4 +353,6 @@ def test_a_stopped_child_ends_when_its_parent_is_killed() -> None:
         poller.register(handle, select.POLLIN)
         assert poller.poll(10_000), f"the orphaned child {child} is still there"
     finally:
+        with contextlib.suppress(ProcessLookupError):  # not left behind when it failed
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
         os.close(handle)

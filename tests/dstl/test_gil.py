@@ -4,6 +4,9 @@ its bound, and registered processes (real child processes here) are stopped mean
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import subprocess
 import sys
 import threading
@@ -128,10 +131,18 @@ def test_a_section_never_closed_is_dropped_once_past_its_bound() -> None:
 # -- processes stopped while a section is open ------------------------------------------
 
 
+def _sleep() -> subprocess.Popen[bytes]:
+    """A child process of this one (so ``waitpid`` sees it stop and continue) that leads a
+    process group of its own, as a forked snapshot's child does: the group of the test
+    process may be orphaned (started in a session of its own), and a member of an
+    orphaned group is never stopped by :data:`~dstl.gil.PAUSE_SIGNAL`."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+
+
 @pytest.fixture
 def sleeper() -> Iterator[int]:
-    """A child process of this one (so ``waitpid`` sees it stop and continue)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """A child of this process, to be stopped and continued (:func:`_sleep`)."""
+    proc = _sleep()
     yield proc.pid
     gil.forget_paused(proc.pid)
     proc.kill()
@@ -165,7 +176,7 @@ def test_a_forgotten_process_is_continued_and_never_stopped_again(sleeper: int) 
 
 
 def test_a_process_registered_during_a_section_is_stopped_at_once(sleeper: int) -> None:
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = _sleep()
     try:
         gil.pause_during_critical(other.pid)
         token = gil.open_critical(owner=None)
@@ -227,3 +238,58 @@ def test_a_process_is_forgotten_inside_the_module_s_own_lock(sleeper: int) -> No
     assert not thread.is_alive(), "forget_paused deadlocked on the module's lock"
     continued(sleeper)
     gil.close_critical(token)
+
+
+_ORPHAN = """
+import os, sys
+child = os.fork()
+if child:  # the parent: tell the test and go
+    print(child, flush=True)
+    os._exit(0)
+os.setpgid(0, 0)  # a group of its own, as a forked snapshot's child
+while byte := os.read(0, 1):  # echo until the test closes its end
+    os.write(1, byte)
+"""
+
+
+def test_a_process_whose_parent_died_is_never_stopped(reaped_by_pid: list[int]) -> None:
+    """A stop that reaches a registered process after its parent died (its group is then
+    orphaned) must not take effect: nothing would ever continue it (see
+    :data:`~dstl.gil.PAUSE_SIGNAL`). With ``SIGSTOP`` it would stop, and not echo."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert parent.stdin is not None and parent.stdout is not None
+    orphan = int(parent.stdout.readline())
+    reaped_by_pid.append(orphan)
+    assert parent.wait(timeout=30) == 0
+    gil.pause_during_critical(orphan)
+    try:
+        with critical_section():  # the stop is sent now
+            parent.stdin.write(b"x")
+            parent.stdin.flush()
+            ready = select.select([parent.stdout], [], [], 10.0)[0]
+            assert ready, f"process {orphan} stopped after its parent died"
+            assert os.read(parent.stdout.fileno(), 1) == b"x"
+    finally:
+        gil.forget_paused(orphan)
+        parent.stdin.close()
+        parent.stdout.close()
+
+
+@pytest.fixture
+def reaped_by_pid() -> Iterator[list[int]]:
+    """Processes that are not children of this one, killed at the end (and waited for
+    through a pidfd, at most 10 s)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            handle = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            select.select([handle], [], [], 10.0)
+        finally:
+            os.close(handle)
