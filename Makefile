@@ -44,12 +44,17 @@ demo-embedded:
 # other interpreters (test-pythons with PYTHONS_TESTS). All steps run; any failure fails
 # the target, and the failed tests of every interpreter are listed again last (pytest's
 # logs are in build/test-logs/), so the tail of a CI log names them. CI runs this on 2
-# cores: keep it well under 20 minutes. The other interpreters' venvs are made in the
-# background meanwhile (setup-pythons, ~2 min of pip each, its output in
-# build/test-logs/setup-pythons.txt), which did not slow the 3.11 suite (14 min 32 s
-# against 14 min 47 s); their tests beside it did (17 min 34 s: its crash tests are
-# CPU-bound), so they run after it. test-pythons then finds the venvs ready (or makes
-# them, and says why it could not).
+# cores: keep it well under 20 minutes. The 3.11 suite runs as two pytest processes side
+# by side: the slow tests that are not Spark's (SLOW_TESTS: crash tests and the soak, each
+# a chain of worker processes on about one core; their output after the rest's) beside
+# everything else, whose Spark tests use ~1.7 cores. One after the other they took
+# 14 min 11 s; side by side 10 min (the slow ones 7 min 35 s of it). pytest-xdist with 2
+# workers was no faster (14 min 53 s): it ran two Spark sessions at once. The other
+# interpreters' venvs are made in the background meanwhile (setup-pythons, ~2 min of pip
+# each, its output in build/test-logs/setup-pythons.txt); their tests beside the suite
+# slowed it (17 min 34 s against 14 min 47 s), so they run after it. test-pythons then
+# finds the venvs ready (or makes them, and says why it could not).
+SLOW_TESTS := slow and not spark
 test: setup
 	@failed=""; \
 	mkdir -p build/test-logs; rm -f build/test-logs/*.log build/test-logs/*.txt; \
@@ -58,7 +63,14 @@ test: setup
 	echo "+ ruff check ."; $(RUFF) check . || failed="$$failed ruff-check"; \
 	echo "+ ruff format --check ."; $(RUFF) format --check . || failed="$$failed ruff-format"; \
 	echo "+ mypy"; $(MYPY) || failed="$$failed mypy"; \
-	echo "+ pytest -q"; $(PY) -m pytest -q 2>&1 | tee build/test-logs/pytest-3.11.log || failed="$$failed pytest"; \
+	$(PY) -m pytest -q -p no:cacheprovider -m "$(SLOW_TESTS)" \
+		>build/test-logs/pytest-3.11-slow.log 2>&1 & slow=$$!; \
+	echo "+ pytest -q -m 'not ($(SLOW_TESTS))', and -m '$(SLOW_TESTS)' beside it"; \
+	$(PY) -m pytest -q -m "not ($(SLOW_TESTS))" 2>&1 | tee build/test-logs/pytest-3.11.log \
+		|| failed="$$failed pytest"; \
+	echo "+ [beside it] pytest -q -m '$(SLOW_TESTS)'"; \
+	wait $$slow || failed="$$failed pytest-slow"; \
+	cat build/test-logs/pytest-3.11-slow.log; \
 	wait $$pythons || echo "setup-pythons failed in the background (build/test-logs/setup-pythons.txt); test-pythons tries again"; \
 	$(MAKE) --no-print-directory test-pythons TESTS="$(PYTHONS_TESTS)" || failed="$$failed test-pythons"; \
 	if [[ -n "$$failed" ]]; then \
