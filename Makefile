@@ -48,12 +48,13 @@ demo-embedded:
 # by side: the slow tests that are not Spark's (SLOW_TESTS: crash tests and the soak, each
 # a chain of worker processes on about one core; their output after the rest's) beside
 # everything else, whose Spark tests use ~1.7 cores. One after the other they took
-# 14 min 11 s; side by side 10 min (the slow ones 7 min 35 s of it). pytest-xdist with 2
-# workers was no faster (14 min 53 s): it ran two Spark sessions at once. The other
-# interpreters' venvs are made in the background meanwhile (setup-pythons, ~2 min of pip
-# each, its output in build/test-logs/setup-pythons.txt); their tests beside the suite
-# slowed it (17 min 34 s against 14 min 47 s), so they run after it. test-pythons then
-# finds the venvs ready (or makes them, and says why it could not).
+# 14 min 11 s; side by side 10 min (the slow ones 7 min 35 s of it), 11 min 49 s in a
+# fresh-clone CI with the venvs' pip beside them (whole CI 15 min 21 s, was 18 min 45 s).
+# pytest-xdist with 2 workers was no faster (14 min 53 s): it ran two Spark sessions at
+# once. The other interpreters' venvs are made in the background meanwhile (setup-pythons,
+# ~2 min of pip each, its output in build/test-logs/setup-pythons.txt); their tests beside
+# the suite slowed it (17 min 34 s against 14 min 47 s), so they run after it.
+# test-pythons then finds the venvs ready (or makes them, and says why it could not).
 SLOW_TESTS := slow and not spark
 test: setup
 	@failed=""; \
