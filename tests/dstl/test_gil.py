@@ -4,6 +4,7 @@ its bound, and registered processes (real child processes here) are stopped mean
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -241,12 +242,11 @@ def test_a_process_is_forgotten_inside_the_module_s_own_lock(sleeper: int) -> No
 
 
 _ORPHAN = """
-import os, sys
-child = os.fork()
-if child:  # the parent: tell the test and go
-    print(child, flush=True)
+import os
+if os.fork():  # the parent goes
     os._exit(0)
 os.setpgid(0, 0)  # a group of its own, as a forked snapshot's child
+os.write(1, b"%d\\n" % os.getpid())  # only now: before, a stop would stop it
 while byte := os.read(0, 1):  # echo until the test closes its end
     os.write(1, byte)
 """
@@ -256,8 +256,8 @@ def test_a_process_whose_parent_died_is_never_stopped(reaped_by_pid: list[int]) 
     """A stop that reaches a registered process after its parent died (its group is then
     orphaned) must not take effect: nothing would ever continue it (see
     :data:`~dstl.gil.PAUSE_SIGNAL`). With ``SIGSTOP`` it would stop, and not echo."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    parent = subprocess.Popen(  # unbuffered: select() sees what read() gets
+        [sys.executable, "-c", _ORPHAN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
     )
     assert parent.stdin is not None and parent.stdout is not None
     orphan = int(parent.stdout.readline())
@@ -267,10 +267,9 @@ def test_a_process_whose_parent_died_is_never_stopped(reaped_by_pid: list[int]) 
     try:
         with critical_section():  # the stop is sent now
             parent.stdin.write(b"x")
-            parent.stdin.flush()
             ready = select.select([parent.stdout], [], [], 10.0)[0]
             assert ready, f"process {orphan} stopped after its parent died"
-            assert os.read(parent.stdout.fileno(), 1) == b"x"
+            assert parent.stdout.read(1) == b"x"
     finally:
         gil.forget_paused(orphan)
         parent.stdin.close()
@@ -289,7 +288,8 @@ def reaped_by_pid() -> Iterator[list[int]]:
         except ProcessLookupError:
             continue
         try:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
             select.select([handle], [], [], 10.0)
         finally:
             os.close(handle)
