@@ -44,36 +44,44 @@ demo-embedded:
 # other interpreters (test-pythons with PYTHONS_TESTS). All steps run; any failure fails
 # the target, and the failed tests of every interpreter are listed again last (pytest's
 # logs are in build/test-logs/), so the tail of a CI log names them. CI runs this on 2
-# cores: keep it well under 20 minutes. The 3.11 suite runs as two pytest processes side
-# by side: the slow tests that are not Spark's (SLOW_TESTS: crash tests and the soak, each
-# a chain of worker processes on about one core; their output after the rest's) beside
-# everything else, whose Spark tests use ~1.7 cores. One after the other they took
-# 14 min 11 s; side by side 10 min (the slow ones 7 min 35 s of it), 11 min 49 s in a
-# fresh-clone CI with the venvs' pip beside them (whole CI 15 min 21 s, was 18 min 45 s).
-# pytest-xdist with 2 workers was no faster (14 min 53 s): it ran two Spark sessions at
-# once. The other interpreters' venvs are made in the background meanwhile (setup-pythons,
-# ~2 min of pip each, its output in build/test-logs/setup-pythons.txt); their tests beside
-# the suite slowed it (17 min 34 s against 14 min 47 s), so they run after it.
-# test-pythons then finds the venvs ready (or makes them, and says why it could not).
+# cores: keep it well under 20 minutes. Two lanes side by side, each about a core's worth
+# of work:
+# - the 3.11 suite but for SLOW_TESTS, whose Spark tests use ~1.7 cores;
+# - SLOW_TESTS (the crash tests and the soak: chains of worker processes on about one
+#   core), then the other interpreters' tests, one interpreter at a time. Their venvs are
+#   made in the background from the start (setup-pythons, ~2 min of pip each, output in
+#   build/test-logs/setup-pythons.txt); a lock makes the lane wait for that. This lane's
+#   output is shown after the other's.
+# One after the other, the 3.11 suite took 14 min 11 s, then 1.5 min for the interpreters
+# side by side (fresh-clone CI 18 min 45 s). Slow tests beside the rest: 15 min 21 s and
+# 17 min 5 s, the rest's lane 2-2.5 min longer than the slow tests. pytest-xdist with 2
+# workers was no faster than one process (14 min 53 s): it ran two Spark sessions at
+# once; the interpreters' tests beside the whole suite slowed it (17 min 34 s).
 SLOW_TESTS := slow and not spark
 test: setup
 	@failed=""; \
 	mkdir -p build/test-logs; rm -f build/test-logs/*.log build/test-logs/*.txt; \
-	$(MAKE) --no-print-directory setup-pythons >build/test-logs/setup-pythons.txt 2>&1 & \
-	pythons=$$!; \
+	flock build/test-logs/pythons.lock $(MAKE) --no-print-directory setup-pythons \
+		>build/test-logs/setup-pythons.txt 2>&1 & pythons=$$!; \
 	echo "+ ruff check ."; $(RUFF) check . || failed="$$failed ruff-check"; \
 	echo "+ ruff format --check ."; $(RUFF) format --check . || failed="$$failed ruff-format"; \
 	echo "+ mypy"; $(MYPY) || failed="$$failed mypy"; \
-	$(PY) -m pytest -q -p no:cacheprovider -m "$(SLOW_TESTS)" \
-		>build/test-logs/pytest-3.11-slow.log 2>&1 & slow=$$!; \
-	echo "+ pytest -q -m 'not ($(SLOW_TESTS))', and -m '$(SLOW_TESTS)' beside it"; \
+	{ $(PY) -m pytest -q -p no:cacheprovider -m "$(SLOW_TESTS)" \
+		>build/test-logs/pytest-3.11-slow.log 2>&1 || echo pytest-slow >>build/test-logs/lane-failed.txt; \
+	  for v in $(PYTHONS); do \
+		flock build/test-logs/pythons.lock $(MAKE) --no-print-directory test-pythons PYTHONS=$$v \
+			TESTS="$(PYTHONS_TESTS)" >build/test-logs/test-python$$v.txt 2>&1 \
+			|| echo "test-pythons-$$v" >>build/test-logs/lane-failed.txt; \
+	  done; } & lane=$$!; \
+	echo "+ pytest -q -m 'not ($(SLOW_TESTS))'; beside it -m '$(SLOW_TESTS)', then $(PYTHONS)"; \
 	$(PY) -m pytest -q -m "not ($(SLOW_TESTS))" 2>&1 | tee build/test-logs/pytest-3.11.log \
 		|| failed="$$failed pytest"; \
 	echo "+ [beside it] pytest -q -m '$(SLOW_TESTS)'"; \
-	wait $$slow || failed="$$failed pytest-slow"; \
-	cat build/test-logs/pytest-3.11-slow.log; \
-	wait $$pythons || echo "setup-pythons failed in the background (build/test-logs/setup-pythons.txt); test-pythons tries again"; \
-	$(MAKE) --no-print-directory test-pythons TESTS="$(PYTHONS_TESTS)" || failed="$$failed test-pythons"; \
+	wait $$lane || true; \
+	cat build/test-logs/pytest-3.11-slow.log; cat build/test-logs/test-python*.txt 2>/dev/null || true; \
+	lane_failed="$$(paste -sd' ' build/test-logs/lane-failed.txt 2>/dev/null || true)"; \
+	[[ -z "$$lane_failed" ]] || failed="$$failed $$lane_failed"; \
+	wait $$pythons || echo "setup-pythons failed in the background (build/test-logs/setup-pythons.txt); test-pythons tried again"; \
 	if [[ -n "$$failed" ]]; then \
 		echo "make test: FAILED:$$failed" >&2; \
 		grep -hE '^(FAILED|ERROR) ' build/test-logs/*.log >&2 || true; \
