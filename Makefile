@@ -54,7 +54,8 @@ demo-embedded:
 #   output is shown after the other's.
 # One after the other, the 3.11 suite took 14 min 11 s, then 1.5 min for the interpreters
 # side by side (fresh-clone CI 18 min 45 s). Slow tests beside the rest: 15 min 21 s and
-# 17 min 5 s, the rest's lane 2-2.5 min longer than the slow tests. pytest-xdist with 2
+# 17 min 5 s, the rest's lane 2-2.5 min longer than the slow tests. These two lanes:
+# 15 min 35 s (12 min 35 s, and 9 min 16 s + 2 min 21 s + 1 min 58 s). pytest-xdist with 2
 # workers was no faster than one process (14 min 53 s): it ran two Spark sessions at
 # once; the interpreters' tests beside the whole suite slowed it (17 min 34 s).
 SLOW_TESTS := slow and not spark
