@@ -20,7 +20,7 @@ PYTHONS := 3.12 3.13
 # The tests of the C extensions and their callers, for the AddressSanitizer run.
 NATIVE_TESTS := tests/native tests/dstl/test_records.py tests/dstl/test_durable.py \
 	tests/dstl/test_encoder.py tests/backends/test_heapstate.py \
-	tests/backends/test_changelog_fastpath.py
+	tests/backends/test_changelog_fastpath.py tests/backends/test_column_store.py
 # What `make test` runs on $(PYTHONS): the layers where interpreter versions differ (the C
 # extensions and everything that calls them), about a minute each. The coordinator and the
 # tools above them are plain Python over these; `make test-pythons` runs them too.

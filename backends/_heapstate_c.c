@@ -52,6 +52,8 @@
 #include "records_capi.h"
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #if PY_VERSION_HEX < 0x030C0000 /* 3.12 moved these into Python.h, with a Py_ prefix */
 #include <structmember.h>
@@ -502,9 +504,10 @@ HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
  * (kind "q": int64, "d": float64), stored columnar: ``slots`` maps a key to its slot
  * (changed only when a key is added or cleared), the values sit in one C array. An
  * update writes 8 bytes of that array and no Python object: after a fork the task thread
- * copies a few thousand pages at most, and a snapshot copies the array (memcpy) instead of
- * walking scattered objects. A cleared key's slot is reused by the next new key
- * (``deletes`` counts the clears, so a snapshot knows when keys moved).
+ * moves that array to fresh memory (unshare) and no other page of the store is written,
+ * and a snapshot copies the array (memcpy) instead of walking scattered objects. A
+ * cleared key's slot is reused by the next new key (``deletes`` counts the clears, so a
+ * snapshot knows when keys moved).
  *
  * get(default), update(value), clear(): the current key's (backend's KeyContext) value.
  * export(since_used, since_deletes): (used, deletes, live, kgs, vals, keys, full, ikeys):
@@ -513,7 +516,7 @@ HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
  * key was cleared or a free slot reused since ``since_deletes``), and, while every key is
  * an int64, the keys of slots [0, used) as int64 bytes (else None).
  * load(kg, keys, values): bulk set (restore). entries(): (kgs, keys, values) lists of the
- * live slots in slot order. len(): live keys.
+ * live slots in slot order. len(): live keys. unshare(): see cs_unshare.
  * ColumnWriter(store, records, op, flush).update(value): the write that first appends a
  * change record (as HeapValue's). Task thread only. */
 
@@ -527,7 +530,8 @@ typedef struct {
     PyObject *keys;  /* list: slot -> key (None: free); see keys_tracked */
     int keys_tracked; /* ``keys`` is tracked by the cyclic GC (see cs_keep_key) */
     int32_t *kgs;
-    int64_t *vals;
+    int64_t *vals;  /* PyMem memory, or a mapping of its own (vals_mapped bytes): unshare */
+    size_t vals_mapped;
     int64_t *ikeys; /* slot -> key, while ``slots`` is NULL (every key an int64) */
     Py_ssize_t used, cap, live;
     Py_ssize_t *free_slots;
@@ -587,6 +591,18 @@ cs_clear_refs(PyObject *op)
     return 0;
 }
 
+/* Free a value array: its own mapping if ``mapped`` (bytes), else PyMem memory. */
+static void
+cs_vals_free(int64_t *vals, size_t mapped)
+{
+    if (mapped) {
+        munmap(vals, mapped);
+    }
+    else {
+        PyMem_Free(vals);
+    }
+}
+
 static void
 cs_dealloc(PyObject *op)
 {
@@ -594,7 +610,7 @@ cs_dealloc(PyObject *op)
     PyObject_GC_UnTrack(op);
     cs_clear_refs(op);
     PyMem_Free(self->kgs);
-    PyMem_Free(self->vals);
+    cs_vals_free(self->vals, self->vals_mapped);
     PyMem_Free(self->ikeys);
     PyMem_Free(self->free_slots);
     PyMem_Free(self->hkeys);
@@ -660,7 +676,18 @@ cs_grow(ColumnStore *s)
         return -1;
     }
     s->kgs = kgs;
-    int64_t *vals = PyMem_Realloc(s->vals, (size_t)cap * sizeof *vals);
+    int64_t *vals;
+    if (s->vals_mapped) { /* back to PyMem: the next fork moves it again */
+        vals = PyMem_Malloc((size_t)cap * sizeof *vals);
+        if (vals != NULL) {
+            memcpy(vals, s->vals, (size_t)s->used * sizeof *vals);
+            cs_vals_free(s->vals, s->vals_mapped);
+            s->vals_mapped = 0;
+        }
+    }
+    else {
+        vals = PyMem_Realloc(s->vals, (size_t)cap * sizeof *vals);
+    }
     if (vals == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -1142,6 +1169,49 @@ done:
     return result;
 }
 
+/* unshare(): right after a fork, move the value array to fresh memory of its own: one
+ * mmap(MAP_POPULATE) and a memcpy (GIL released), then the old array is freed (in the
+ * child it stays). Updates then write pages nobody shares, instead of taking one
+ * copy-on-write fault per page, each with the GIL held and, in a process with threads on
+ * other CPUs, a TLB shootdown. True if moved; False if the mapping failed (nothing
+ * changed: the faults come as before). The store is the task thread's, so nothing else
+ * touches the array while the GIL is released. Growth moves it back to PyMem memory. */
+static PyObject *
+cs_unshare(PyObject *op, PyObject *unused)
+{
+    ColumnStore *s = (ColumnStore *)op;
+    if (cs_ready(s) < 0) {
+        return NULL;
+    }
+    if (s->cap == 0) {
+        Py_RETURN_TRUE;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) {
+        Py_RETURN_FALSE;
+    }
+    size_t bytes = (size_t)s->cap * sizeof *s->vals;
+    size_t len = (bytes + (size_t)page - 1) / (size_t)page * (size_t)page;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS;
+#ifdef MAP_POPULATE
+    flags |= MAP_POPULATE;
+#endif
+    void *fresh;
+    Py_BEGIN_ALLOW_THREADS
+    fresh = mmap(NULL, len, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (fresh != MAP_FAILED) {
+        memcpy(fresh, s->vals, (size_t)s->used * sizeof *s->vals);
+    }
+    Py_END_ALLOW_THREADS
+    if (fresh == MAP_FAILED) {
+        Py_RETURN_FALSE;
+    }
+    cs_vals_free(s->vals, s->vals_mapped);
+    s->vals = fresh;
+    s->vals_mapped = len;
+    Py_RETURN_TRUE;
+}
+
 static PyObject *
 cs_entries(PyObject *op, PyObject *unused)
 {
@@ -1209,6 +1279,8 @@ static PyMethodDef cs_methods[] = {
     {"load", (PyCFunction)(void (*)(void))cs_load, METH_FASTCALL,
      "load(kg, keys, values): set many keys of one key group"},
     {"entries", cs_entries, METH_NOARGS, "entries(): (kgs, keys, values) of the live keys"},
+    {"unshare", cs_unshare, METH_NOARGS,
+     "unshare(): after a fork, move the values to memory the child does not share"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -349,6 +349,11 @@ class ColumnStore:
             [self._vals[i] for i in live],
         )
 
+    def unshare(self) -> bool:
+        """After a fork, move the values to memory the child does not share (the C store;
+        see its source). False here: this store lets the copy-on-write faults come."""
+        return False
+
 
 class ColumnWriter:
     """The logged write of a :class:`ColumnStore`. Task thread only."""

@@ -162,6 +162,7 @@ def fork_snapshot(
     with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
         fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
+    backend.unshare_columns()
     return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r)
 
 

@@ -115,6 +115,34 @@ def test_a_column_writer_logs_before_it_writes(impl: ModuleType) -> None:
     assert len(flushed) == 1 and s.get(None) == 11
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unshared_values_survive_growth_clears_and_another_unshare(impl: ModuleType) -> None:
+    """The C store moves its values to a mapping of its own (the Python one keeps them);
+    growing moves them back to PyMem memory, and a second move replaces the mapping."""
+    ctx = _ctx(impl)
+    s = impl.ColumnStore(ctx, "q")
+    native = impl is _heapstate_c
+    assert s.unshare() is native
+    for k in range(3000):  # three growths, each after a move
+        ctx.at(k, k % 7)
+        s.update(k)
+        if k % 1000 == 0:
+            assert s.unshare() is native
+    assert s.unshare() is native and s.unshare() is native
+    ctx.at(5, 5)
+    s.clear()
+    ctx.at(3000, 1)
+    s.update(-1)  # the free slot
+    keys = [3000 if k == 5 else k for k in range(3000)]
+    assert s.entries() == (
+        [1 if k == 3000 else k % 7 for k in keys],
+        keys,
+        [-1 if k == 3000 else k for k in keys],
+    )
+    ctx.at(2999, 0)
+    assert s.get(None) == 2999
+
+
 def _key_list(store: Any) -> list[Any]:
     (keys,) = [r for r in gc.get_referents(store) if type(r) is list]
     return keys

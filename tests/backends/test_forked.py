@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from backends import (
     ListStateDescriptor,
     MapStateDescriptor,
     ValueStateDescriptor,
+    _heapstate,
 )
 from backends import forked as forked_mod
 from backends.errors import SnapshotProcessError
@@ -260,6 +262,43 @@ def test_large_states_fork(reaped: list[int], monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(snap, ForkedSnapshot)
     reaped.append(snap.pid)
     snap.release()
+
+
+@pytest.mark.skipif(not _heapstate.NATIVE, reason="the C column store unshares its pages")
+def test_after_a_fork_the_task_writes_its_values_without_a_fault_per_page(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child shares the value arrays' pages; the parent copies them in one call right
+    after the fork (``unshare_columns``), not through a fault per page at its next writes,
+    each taken with the GIL held."""
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, MAX_PAR), MAX_PAR)
+    count = b.get_state(ValueStateDescriptor("count", INT64))
+    n, per_page = 1 << 18, 4096 // 8  # 512 pages of values
+    for i in range(n):
+        b.set_current_key(i)
+        count.update(i)
+
+    def faults_writing_each_page() -> int:
+        snap = fork_snapshot(b, 1)
+        assert isinstance(snap, ForkedSnapshot)
+        reaped.append(snap.pid)
+        try:
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            for i in range(0, n, per_page):
+                b.set_current_key(i)
+                count.update(-i)
+            return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        finally:
+            snap.release()
+
+    unshared = faults_writing_each_page()
+    monkeypatch.setattr(HeapKeyedStateBackend, "unshare_columns", lambda self: None)
+    shared = faults_writing_each_page()
+    pages = n // per_page
+    assert shared >= pages // 2, "the control: a fault per page written"
+    assert unshared < pages // 4, f"{unshared} faults writing {pages} pages after unshare"
+    b.set_current_key(per_page)
+    assert count.value() == -per_page
 
 
 def test_expired_entries_are_purged_before_the_fork(reaped: list[int]) -> None:
