@@ -485,7 +485,7 @@ class HeapKeyedStateBackend(KeyContext):
     def unshare_columns(self) -> None:
         """Right after a fork (task thread): move the columnar states' value arrays, which
         the child shares now, to fresh memory (``ColumnStore.unshare``: a populated
-        mapping and a memcpy with the GIL released, ~7 ms for 2 x 8 MB), rather than take
+        mapping and a memcpy with the GIL released, 6-10 ms for 2 x 8 MB), rather than take
         a copy-on-write fault per page as updates reach them, each with the GIL held
         (~25 ms in all). Uniform updates write every page of them between two
         materializations anyway."""

@@ -268,8 +268,8 @@ def test_large_states_fork(reaped: list[int], monkeypatch: pytest.MonkeyPatch) -
 def test_after_a_fork_the_task_writes_its_values_without_a_fault_per_page(
     reaped: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The child shares the value arrays' pages; the parent copies them in one call right
-    after the fork (``unshare_columns``), not through a fault per page at its next writes,
+    """The child shares the value arrays' pages; the parent moves them to fresh memory
+    right after the fork (``unshare_columns``), not through a fault per page at its writes,
     each taken with the GIL held."""
     b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, MAX_PAR), MAX_PAR)
     count = b.get_state(ValueStateDescriptor("count", INT64))
