@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
-from dstl.changelog import ChangelogOptions
+from dstl.buffer import ChangeBuffer
+from dstl.changelog import ChangelogOptions, _Lane, _Request, _segments
 from dstl.encoder import SegmentEncoder
 from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
@@ -309,15 +311,67 @@ def test_a_cut_starts_a_new_segment_so_a_truncation_leaves_no_older_changes(
         assert not st._queue.empty()  # handed to an upload at once
         for i in range(60):  # crosses the threshold: a pre-emptive upload, after the cut
             w.append(0, "s", 1, b"k", None, bytes([i]) * 100)
-        st.drain_once(block=False)
+        assert st._queue.qsize() == 2
+        st.drain_once(block=False)  # takes both in one batch, and writes them apart
+        before = w._uploads[0].future.result(timeout=10)  # the changes up to the boundary
+        assert before.sqn_end == boundary
         w.truncate(boundary)  # the materialization was applied
         fut = w.persist(boundary, 1)
-        st.drain_once(block=False)
+        while not st._queue.empty():  # the deletion the truncation queued, and the persist
+            st.drain_once(block=False)
         handles = fut.result(timeout=10)
+        assert not fileio.exists(before.location)  # nothing references it any more
         assert [h.sqn_start >= boundary for h in handles] == [True] * len(handles)
         assert sum(h.rows for h in handles) == 60
         assert _rows(fileio, handles) == [bytes([i]) * 100 for i in range(60)]
+        # no segment the checkpoint references holds the changes from before the boundary
+        assert before.location not in {h.location for h in handles}
         assert w.cut() == w.next_sqn()  # nothing appended since: the same boundary
+
+
+def test_a_cut_just_after_a_preemptive_upload_ends_that_uploads_segment(
+    fileio: FileIO,
+) -> None:
+    """The buffer was handed to a pre-emptive upload by the last append: the cut has
+    nothing to submit, and the upload ending at the boundary ends its segment instead."""
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        w = st.create_writer("a")
+        while st._queue.empty():  # until the threshold submits the buffer
+            w.append(0, "s", 1, b"k", None, b"x" * 100)
+        boundary = w.cut()
+        assert st._queue.qsize() == 1 and boundary == w._uploads[-1].sqn_end
+        while st._queue.qsize() == 1:  # the next pre-emptive upload, after the cut
+            w.append(0, "s", 1, b"k", None, b"y" * 100)
+        st.drain_once(block=False)
+        first, second = (u.future.result(timeout=10) for u in w._uploads)
+        assert first.sqn_end == boundary == second.sqn_start
+        assert first.location != second.location
+
+
+def test_the_lane_ends_a_batch_at_a_request_that_ends_its_segment() -> None:
+    """Pre-emptive uploads queued behind a slow one are batched into one segment, but
+    never across a materialization's boundary."""
+    lane = _Lane(max_bytes=1 << 20)
+    reqs = [_request(sqn, ends_segment=sqn == 1) for sqn in range(4)]
+    lane.put(reqs)
+    first = lane.take()
+    lane.done()
+    assert first is not None and [r.sqn_start for r in first] == [0, 1]
+    rest = lane.take()
+    lane.done()
+    assert rest is not None and [r.sqn_start for r in rest] == [2, 3]
+    assert [[r.sqn_start for r in s] for s in _segments(reqs)] == [[0, 1], [2, 3]]
+    assert [[r.sqn_start for r in s] for s in _segments(reqs[:2])] == [[0, 1]]
+
+
+def _request(sqn: int, ends_segment: bool) -> _Request:
+    changes = ChangeBuffer()
+    changes.append(0, sqn, "s", 1, b"k", None, b"v")
+    changes.seal()
+    return _Request(
+        "a", sqn, sqn + 1, changes, Future(), {}, urgent=False, ends_segment=ends_segment
+    )
 
 
 def test_read_changes_keeps_each_run_from_its_own_sqn(
