@@ -30,8 +30,9 @@ TARGET = 1000
 def _attempt(store: Path, local: Path, kill_after: int | None) -> tuple[int, bool]:
     """Run one attempt; kill it after ``kill_after`` checkpoints. (checkpoints, finished).
 
-    An attempt left to finish runs unpaced: the input's pace only spreads records over the
-    checkpoints of the killed attempts, and at that pace the rest of it took minutes.
+    An attempt left to finish runs unpaced, with checkpoints every 250 ms: the input's pace
+    and the 10 ms checkpoints are for the killed attempts; at either the rest of the input
+    took minutes.
     """
     proc = subprocess.Popen(
         [
