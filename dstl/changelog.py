@@ -601,7 +601,8 @@ class ChangelogStorage:
             # A barrier waits for it, and for the uploads queued before it: the
             # tasks (this one too) stand aside until it is written (dstl.gil).
             critical=open_critical(owner=None) if upload.urgent else None,
-            # sent again (a failed upload): it still ends its segment
+            # sent again (a failed upload): it keeps the mark, but a persist queues it
+            # after its own newer changes, which may then share its file (rare: bytes only)
             ends_segment=upload.request is not None and upload.request.ends_segment,
         )
         self._queue.put(upload.request)
