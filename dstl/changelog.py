@@ -391,8 +391,8 @@ class ChangelogWriter:
                 f"writer {self.writer_id}: cannot persist from sqn {from_sqn}, "
                 f"the log was truncated to {self._truncated_to}"
             )
-        self._submit_buffer(urgent=True)
-        wanted: list[_Upload] = []
+        # Failed uploads go first, so the queue stays in sqn order: a boundary's mark
+        # (see cut) then ends its segment before the newer changes, retried or not.
         for upload in self._uploads:
             if upload.sqn_end <= from_sqn:
                 continue
@@ -401,7 +401,8 @@ class ChangelogWriter:
                     raise StateBackendError("lost the changes of a failed upload")
                 upload.future = Future()
                 self._storage._submit(self.writer_id, upload)
-            wanted.append(upload)
+        self._submit_buffer(urgent=True)
+        wanted = [u for u in self._uploads if u.sqn_end > from_sqn]
         self._storage._tracker.claim(self.writer_id, checkpoint_id, [u.sqn_start for u in wanted])
         self._last_timings = wanted[-1].timings if wanted else {}
         self._drop_durable_changes()
@@ -601,8 +602,7 @@ class ChangelogStorage:
             # A barrier waits for it, and for the uploads queued before it: the
             # tasks (this one too) stand aside until it is written (dstl.gil).
             critical=open_critical(owner=None) if upload.urgent else None,
-            # sent again (a failed upload): it keeps the mark, but a persist queues it
-            # after its own newer changes, which may then share its file (rare: bytes only)
+            # sent again (a failed upload): it keeps the mark
             ends_segment=upload.request is not None and upload.request.ends_segment,
         )
         self._queue.put(upload.request)

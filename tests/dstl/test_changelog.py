@@ -349,6 +349,28 @@ def test_a_cut_just_after_a_preemptive_upload_ends_that_uploads_segment(
         assert first.location != second.location
 
 
+def test_a_failed_upload_at_the_boundary_still_ends_its_segment_when_retried(
+    tmp_path: Path,
+) -> None:
+    """The persist sends the failed boundary upload again before its own newer changes
+    (sqn order), so the boundary's mark still ends its segment."""
+    faulty = FaultyFileIO(str(tmp_path))
+    faulty.script("fatal")
+    with ChangelogStorage(faulty, "job", "w0", start_thread=False) as st:
+        w = st.create_writer("a")
+        w.append(0, "s", 1, b"k", None, b"old")
+        boundary = w.cut()
+        st.drain_once(block=False)
+        assert w._uploads[0].future.exception() is not None  # the boundary's upload failed
+        w.append(0, "s", 1, b"k", None, b"new")
+        fut = w.persist(0, 1)
+        st.drain_once(block=False)  # both requests, in one batch
+        old, new = fut.result(timeout=10)
+        assert old.sqn_end == boundary == new.sqn_start
+        assert old.location != new.location
+        assert _rows(faulty, (old,)) == [b"old"] and _rows(faulty, (new,)) == [b"new"]
+
+
 def test_the_lane_ends_a_batch_at_a_request_that_ends_its_segment() -> None:
     """Pre-emptive uploads queued behind a slow one are batched into one segment, but
     never across a materialization's boundary."""
