@@ -158,7 +158,8 @@ class _Upload:
     future: Future[ChangelogHandle]
     timings: dict[str, float] = field(default_factory=dict)
     urgent: bool = False  # submitted by a persist (a barrier waits), not pre-emptively
-    request: _Request | None = None  # the latest request submitted for it
+    # the latest request submitted for it, until it succeeded (the request holds changes)
+    request: _Request | None = None
 
 
 @dataclass(slots=True)
@@ -374,7 +375,7 @@ class ChangelogWriter:
         for upload in self._uploads:
             done = upload.future.done()
             if upload.changes is not None and done and upload.future.exception() is None:
-                upload.changes = None
+                upload.changes = upload.request = None  # the request holds them too
 
     def persist(self, from_sqn: int, checkpoint_id: int) -> Future[tuple[ChangelogHandle, ...]]:
         """Make every change with ``sqn >= from_sqn`` durable, for ``checkpoint_id``.
@@ -462,7 +463,7 @@ class ChangelogWriter:
         self._closed = True
         self._buffer = ChangeBuffer()
         for upload in self._uploads:
-            upload.changes = None
+            upload.changes = upload.request = None
         self._storage._writer_closed(self.writer_id)
 
     def _check_open(self) -> None:
@@ -1005,7 +1006,7 @@ def _read_segment(
     span = (runs[0][0], runs[-1][1]) if runs and whole else None
     out = []
     for handle in handles:
-        table = reader.read_block(handle.block, handle.writer_id).drop_columns(["writer"])
+        table = reader.read_block(handle.block, handle.writer_id)
         kg = table["key_group"]
         if span is not None and handle.sqn_start >= newest and table.num_rows:
             low, high = (s.as_py() for s in pc.min_max(kg).values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -444,6 +445,27 @@ def test_log_size_counts_what_a_persist_would_reference(
     boundary = w.next_sqn()
     w.truncate(boundary)  # materialized: nothing left to reference
     assert w.log_size() == (0, 0)
+
+
+def test_a_writer_lets_go_of_the_changes_it_uploaded(storage: ChangelogStorage) -> None:
+    """Only a failed upload's changes are kept (to send again): a writer that persists
+    over and over without a materialization holds its current buffer, not its log.
+    (For a while the queued request kept every uploaded buffer alive: a long-log run
+    peaked at 800 MB instead of 340 MB.)"""
+
+    def live_buffers() -> int:
+        gc.collect()
+        return sum(isinstance(o, ChangeBuffer) for o in gc.get_objects())
+
+    before = live_buffers()
+    w = storage.create_writer("a")
+    for checkpoint in range(1, 11):
+        for i in range(100):
+            w.append(0, "s", 1, b"k%d" % i, None, b"v" * 100)
+        w.persist(0, checkpoint).result()
+    w.persist(0, 11).result()  # lets go of what the last persist uploaded
+    assert live_buffers() - before == 1  # the writer's (empty) buffer
+    assert w.log_size()[1] == 1000  # while a checkpoint still references all of it
 
 
 def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path) -> None:
