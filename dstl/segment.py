@@ -238,7 +238,12 @@ class SegmentReader:
             )
 
     def read_block(self, index: int, writer_id: str) -> pa.Table:
-        """The rows of block ``index``, checked against the footer's description."""
+        """The rows of block ``index`` as a table of :data:`BLOCK_SCHEMA` (with ``state``
+        as a dictionary if so read), checked against the footer's description.
+
+        The ``writer`` column is not decoded: the footer names the block's writer (checked
+        against ``writer_id``), and decoding one string per row was a quarter of a block's
+        decoding CPU (0.15 s of 0.65 s for a 4.2M-change log)."""
         if not 0 <= index < len(self.blocks):
             raise CorruptionError(f"segment has no block {index}", self.location)
         desc = self.blocks[index]
@@ -249,7 +254,7 @@ class SegmentReader:
             )
         self.verify_block(index)
         try:
-            table = self._file.read_row_group(index)
+            table = self._file.read_row_group(index, columns=BLOCK_SCHEMA.names)
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise CorruptionError(f"corrupt block {index} ({exc})", self.location) from exc
         if table.num_rows != desc["rows"]:
