@@ -300,17 +300,18 @@ class ChangelogWriter:
 
     def log_size(self) -> tuple[int, int]:
         """``(bytes, rows)`` of the log a persist now would reference (everything kept
-        since the truncation point): uploaded blocks at their segment's size, the rest
-        (buffered or uploading) at the bytes per row the uploaded ones took, else at
-        :data:`UNSEEN_BYTES_PER_ROW`. An estimate for materialization policy; cheap (no
-        I/O, one step per upload kept).
+        since the truncation point): uploaded blocks at their part of their segment's
+        bytes (``block_bytes``: a segment shared by k blocks, of this writer or others,
+        counts once, not k times), the rest (buffered or uploading) at the bytes per row
+        the uploaded ones took, else at :data:`UNSEEN_BYTES_PER_ROW`. An estimate for
+        materialization policy; cheap (no I/O, one step per upload kept).
         """
         done_bytes = done_rows = pending_rows = 0
         for upload in self._uploads:
             fut = upload.future
             if fut.done() and fut.exception() is None:
                 handle = fut.result()
-                done_bytes += handle.size_bytes
+                done_bytes += int(upload.timings["block_bytes"])
                 done_rows += handle.rows
             elif upload.changes is not None:
                 pending_rows += upload.changes.rows
@@ -421,9 +422,10 @@ class ChangelogWriter:
         for the upload thread (``persist_queue_ms``), in the sharing window
         (``persist_window_ms``; for a pre-emptive upload, also waiting for the lane),
         encoding (``encode_ms``; ``encode_cpu_ms`` of it the upload thread's CPU), writing
-        durably (``write_ms``), and the segment's ``segment_blocks``. The upload thread
-        fills the dict before the persist's future completes; read it after that. Empty
-        for a persist with nothing to upload."""
+        durably (``write_ms``); not in ms: the segment's ``segment_blocks`` and this
+        block's part of its bytes (``block_bytes``). The upload thread fills the dict
+        before the persist's future completes; read it after that. Empty for a persist
+        with nothing to upload."""
         return self._last_timings
 
     def truncate(self, to_sqn: int) -> None:
@@ -801,7 +803,10 @@ class ChangelogStorage:
         with self._lock:
             self.segments_written += 1
         log.debug("segment uploaded key=%s bytes=%d blocks=%d", path, len(data), len(batch))
-        for r in batch:  # before the futures complete: their callbacks read these
+        rows = sum(r.changes.rows for r in batch)
+        shares = itertools.accumulate(r.changes.rows * len(data) // rows for r in batch[:-1])
+        bounds = [0, *shares, len(data)]
+        for i, r in enumerate(batch):  # before the futures complete: their callbacks read these
             r.timings.update(
                 persist_queue_ms=round((r.taken - r.submitted) * 1e3, 3),
                 persist_window_ms=round((closed - r.taken) * 1e3, 3),
@@ -810,6 +815,8 @@ class ChangelogStorage:
                 encode_cpu_ms=round(encode_cpu * 1e3, 3),
                 write_ms=round((written - encoded) * 1e3, 3),
                 segment_blocks=len(batch),
+                # this block's part of the segment's bytes (by rows; they add up to its size)
+                block_bytes=bounds[i + 1] - bounds[i],
             )
         deletable = self._tracker.uploaded(path, blocks)
         self.budget.release(sum(r.nbytes for r in batch))

@@ -447,6 +447,35 @@ def test_log_size_counts_what_a_persist_would_reference(
     assert w.log_size() == (0, 0)
 
 
+def test_log_size_counts_a_shared_segment_once(fileio: FileIO) -> None:
+    """Blocks that share a segment (of writers sharing an upload, or one writer's
+    batched uploads) split its bytes by rows: every handle names the whole file's size,
+    and summing those made a materialization start k times early (the size bound)."""
+    with ChangelogStorage(fileio, "job", "w0", start_thread=False) as st:
+        a, b = st.create_writer("a"), st.create_writer("b")
+        for i in range(300):
+            a.append(0, "s", 1, b"k%d" % i, None, b"v" * 20)
+        for i in range(100):
+            b.append(1, "s", 1, b"k%d" % i, None, b"v" * 20)
+        futures = [w.persist(0, 1) for w in (a, b)]
+        st.drain_once(block=False)
+        (ha,), (hb,) = (f.result(timeout=10) for f in futures)
+        assert ha.location == hb.location and ha.size_bytes == hb.size_bytes
+        assert a.log_size() == (ha.size_bytes * 3 // 4, 300)
+        assert a.log_size()[0] + b.log_size()[0] == ha.size_bytes
+    opts = ChangelogOptions(preemptive_persist_bytes=2_000)
+    with ChangelogStorage(fileio, "job", "w1", opts, start_thread=False) as st:
+        c = st.create_writer("c")
+        for i in range(100):  # pre-emptive uploads
+            c.append(0, "s", 1, b"k%d" % i, None, b"v" * 20)
+        c.append(0, "s", 1, b"k", None, b"tail")
+        future = c.persist(0, 1)
+        st.drain_once(block=False)  # all in one batch
+        handles = future.result(timeout=10)
+        assert len(handles) > 1 and len({h.location for h in handles}) == 1
+        assert c.log_size() == (handles[0].size_bytes, 101)
+
+
 def test_a_writer_lets_go_of_the_changes_it_uploaded(storage: ChangelogStorage) -> None:
     """Only a failed upload's changes are kept (to send again): a writer that persists
     over and over without a materialization holds its current buffer, not its log.
