@@ -444,10 +444,7 @@ class _Replay:
             shutil.rmtree(out, ignore_errors=True)  # what a run of it stopped left behind
             os.mkdir(out)
             for i, (meta, part) in enumerate(zip(metas, parts, strict=True)):
-                kg = part["key_group"]
-                rows = _last_per_key(
-                    part.filter(pc.and_(pc.greater_equal(kg, lo), pc.less(kg, hi)))
-                )
+                rows = _last_per_key(part, (lo, hi))
                 clears, rows = _split_clears(rows)
                 if clears.num_rows:
                     with pa.ipc.new_file(os.path.join(out, f"{i}.clears"), clears.schema) as f:
@@ -488,21 +485,31 @@ def _state_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndar
     return column.dictionary.to_pylist(), codes
 
 
-def _last_per_key(part: pa.Table) -> pa.Table:
-    """The last row per key of ``part``, in log order (a key's bytes decide its key
-    group, so the key alone identifies the entry). One hash pass over the keys, no
-    Python call per row: 8-byte keys (int64, float64) hash as integers, others by their
-    codes in an Arrow dictionary."""
+def _last_per_key(part: pa.Table, groups: tuple[int, int] | None = None) -> pa.Table:
+    """The last row per key of ``part`` (of its rows in key groups ``[lo, hi)``, if
+    ``groups`` is given), in log order (a key's bytes decide its key group, so the key
+    alone identifies the entry). One hash pass over the keys, no Python call per row:
+    8-byte keys (int64, float64) hash as integers, read in place from each chunk, others
+    by their codes in an Arrow dictionary. The range is picked in numpy, and the rows
+    kept are taken once: filtering a restore's half out of the gathered rows first
+    copied them twice (~0.1 s of ~0.6 s per half and 1M keys)."""
     import pandas as pd  # here: a restore with no log does not pay for the import
 
-    if part.num_rows < 2:
+    if part.num_rows < 2 and groups is None:
         return part
-    keys = part["key"].combine_chunks()
-    codes = fixed8(keys)
-    if codes is None:
-        codes = pc.dictionary_encode(keys).indices.to_numpy()
-    repeated = pd.Series(codes, copy=False).duplicated(keep="last").to_numpy()
-    return part.filter(pa.array(~repeated))
+    chunks = [c for c in part["key"].chunks if len(c)]
+    codes8 = [c for c in map(fixed8, chunks) if c is not None]
+    if chunks and len(codes8) == len(chunks):
+        codes = np.concatenate(codes8)
+    else:
+        codes = pc.dictionary_encode(part["key"].combine_chunks()).indices.to_numpy()
+    rows: np.ndarray[Any, Any] | None = None
+    if groups is not None:
+        kg = part["key_group"].to_numpy()
+        rows = np.flatnonzero((kg >= groups[0]) & (kg < groups[1]))
+        codes = codes[rows]
+    last = np.flatnonzero(~pd.Series(codes, copy=False).duplicated(keep="last").to_numpy())
+    return part.take(pa.array(last if rows is None else rows[last]))
 
 
 def _split_clears(rows: pa.Table) -> tuple[pa.Table, pa.Table]:

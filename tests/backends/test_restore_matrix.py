@@ -233,3 +233,39 @@ def test_a_state_with_more_keys_than_a_fold_holds_folds_a_bounded_number_of_time
     # 12k changes in 24 blocks: a fold each time the rows double (then each 2k new rows,
     # the state's key count), not one per block; each change folded about twice at most
     assert len(folds) <= 12 and sum(folds) <= 3 * 12_000, folds
+
+
+@pytest.mark.parametrize("width", [8, 5])  # 8-byte keys hash as integers, others by codes
+def test_the_last_change_per_key_of_a_key_group_range(width: int) -> None:
+    """A replay's fold keeps each key's last change, in log order; a restore's half
+    keeps those of its key groups only, from rows gathered in many chunks (some empty)."""
+    import random
+
+    import pyarrow as pa
+
+    from backends.restore import _last_per_key
+
+    rnd = random.Random(width)
+    keys = [rnd.randrange(40) for _ in range(3000)]
+    rows = [(key % 8, key, i) for i, key in enumerate(keys)]  # a key decides its group
+    chunks = []
+    for start in range(0, len(rows), 250):
+        part = rows[start : start + 250]
+        chunks.append(
+            pa.table(
+                {
+                    "key_group": pa.array([g for g, _, _ in part], pa.int32()),
+                    "key": pa.array([k.to_bytes(width, "big") for _, k, _ in part], pa.binary()),
+                    "value": pa.array([i for _, _, i in part], pa.int64()),
+                }
+            )
+        )
+        chunks.append(chunks[-1].slice(0, 0))
+    table = pa.concat_tables(chunks)
+    for groups in (None, (0, 3), (3, 8), (8, 9)):
+        lo, hi = groups or (0, 8)
+        last = {k: (g, k, i) for g, k, i in rows if lo <= g < hi}
+        expected = sorted(last.values(), key=lambda r: r[2])  # in log order
+        got = _last_per_key(table, groups)
+        assert got["value"].to_pylist() == [i for _, _, i in expected]
+        assert got["key_group"].to_pylist() == [g for g, _, _ in expected]
