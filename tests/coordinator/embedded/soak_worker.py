@@ -29,11 +29,11 @@ from tools.demo_job import DemoConfig, pipeline
 CONFIG = DemoConfig(events_per_source=100_000, users=300, rate_per_source=300.0)
 
 
-def options(store: str, local_dir: str, backend: str, interval_s: float = 0.01) -> RuntimeOptions:
-    """The options of every attempt (the last one checkpoints less often)."""
+def options(store: str, local_dir: str, backend: str, paced: bool) -> RuntimeOptions:
+    """The options of every attempt (the last, unpaced one checkpoints less often)."""
     return RuntimeOptions(
         store_url=store,
-        checkpoint=CheckpointOptions(interval_s=interval_s, retain=3),
+        checkpoint=CheckpointOptions(interval_s=0.01 if paced else 0.25, retain=3),
         materialization_interval_s=0.15,
         state_backend=backend,
         local_dir=local_dir,
@@ -45,7 +45,7 @@ def main(store: str, local_dir: str, backend: str, paced: bool = True) -> None:
         print(json.dumps({"id": cp.checkpoint_id}), flush=True)
 
     config = CONFIG if paced else dataclasses.replace(CONFIG, rate_per_source=None)
-    opts = options(store, local_dir, backend, 0.01 if paced else 0.25)
+    opts = options(store, local_dir, backend, paced)
     runtime = EmbeddedRuntime(pipeline(config, f"{store}/output"), opts, on_checkpoint=emit)
     runtime.run()
     print(json.dumps({"finished": True}), flush=True)
