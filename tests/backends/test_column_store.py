@@ -192,8 +192,8 @@ def test_the_key_list_stays_out_of_the_gc_until_a_key_needs_it() -> None:
     assert gone() is None
 
 
-def _filled(seed: int, keys: int) -> HeapKeyedStateBackend:
-    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, 128))
+def _filled(seed: int, keys: int, groups: int = 128) -> HeapKeyedStateBackend:
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, groups), groups)
     count = b.get_state(ValueStateDescriptor("count", INT64, default=0))
     ratio = b.get_state(ValueStateDescriptor("ratio", FLOAT64))
     label = b.get_state(ValueStateDescriptor("label", STR))  # kept in dicts
@@ -215,10 +215,63 @@ def _files(snapshot: Any, piece_rows: int | None) -> list[tuple[str, int, bytes 
 
 
 @pytest.mark.parametrize("piece_rows", [65536, 512, None])
-def test_columns_materialize_to_the_bytes_the_dicts_give(piece_rows: int | None) -> None:
-    b = _filled(1, 5000)
+@pytest.mark.parametrize("groups", [128, 4])  # 39 keys a key group, and 1250 (sorted each)
+def test_columns_materialize_to_the_bytes_the_dicts_give(
+    piece_rows: int | None, groups: int
+) -> None:
+    b = _filled(1, 5000, groups)
     assert b.column_store("count") is not None and b.column_store("label") is None
     assert _files(b.column_snapshot(3), piece_rows) == _files(b.snapshot(3), piece_rows)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "per_group"),
+    [(0, 128, 3), (0, 128, 400), (64, 96, 400), (65531, 65535, 300), (65532, 65536, 300)],
+)
+def test_the_column_order_is_key_group_then_key_within_the_range(
+    start: int, end: int, per_group: int
+) -> None:
+    """Both ways of ``_key_order`` (a sort of all keys below ``GROUP_SORT_MIN_ROWS``
+    keys a key group, one per key group from it), 16-bit and wider key groups: slots of
+    other key groups and free ones (-1) left out, the rest in (key group, key) order."""
+    import numpy as np
+
+    from backends.tables import GROUP_SORT_MIN_ROWS, _key_order
+
+    rnd = np.random.default_rng(start + per_group)
+    n = 2 * (end - start + 4) * per_group
+    kgs = rnd.integers(max(start - 2, 0), end + 2, n).astype(np.int32)
+    kgs[rnd.random(n) < 0.1] = -1
+    keys = rnd.permutation(n * 3)[:n].astype(np.int64) - n  # unique, some negative
+    got = _key_order(kgs, keys, KeyGroupRange(start, end))
+    inside = np.flatnonzero((kgs >= start) & (kgs < end))
+    assert (len(inside) >= GROUP_SORT_MIN_ROWS * (end - start)) == (per_group >= 300)
+    assert got.tolist() == inside[np.lexsort((keys[inside], kgs[inside]))].tolist()
+
+
+def test_states_of_the_same_slots_share_one_order_and_others_sort_their_own() -> None:
+    """``a`` and ``c`` hold the same keys in the same slots (``c`` takes ``a``'s order),
+    ``b`` the same keys in other slots, ``d`` one key group moved: each writes the bytes
+    its dicts would."""
+    b = HeapKeyedStateBackend(INT64, KeyGroupRange(0, 4), 4)
+    states = {n: b.get_state(ValueStateDescriptor(n, INT64)) for n in "abcd"}
+    keys = random.Random(5).sample(range(-(10**9), 10**9), 3000)
+    for k in keys:
+        b.set_current_key(k)
+        states["a"].update(k)
+        states["c"].update(-k)
+        states["d"].update(k)
+    for k in reversed(keys):
+        b.set_current_key(k)
+        states["b"].update(k)
+    b.set_current_key(keys[7])
+    states["d"].clear()
+    b.set_current_key(keys[7] + 1)
+    states["d"].update(1)  # reuses the cleared slot, another key
+    snap = b.column_snapshot()
+    assert snap.columns["a"].int_keys == snap.columns["c"].int_keys
+    assert snap.columns["a"].int_keys != snap.columns["b"].int_keys
+    assert _files(snap, 512) == _files(b.snapshot(), 512)
 
 
 def test_a_column_snapshot_keeps_its_state_while_the_store_changes() -> None:
