@@ -8,7 +8,7 @@ for the GIL (a 1 ms switch interval only traded one for the other). With ``fork(
 synchronous part is the fork (the page tables), the child holds the state as of the fork
 (copy-on-write), and encodes the pieces (:func:`backends.tables.state_files`) with its
 own interpreter on another core (columnar states it exports itself, from its copy:
-:meth:`~backends.heap.HeapKeyedStateBackend.export_columns`); the upload thread of the
+:meth:`~backends.heap.HeapKeyedStateBackend.frozen_columns`); the upload thread of the
 parent only reads the finished pieces from a pipe and uploads them.
 
 :func:`materialization_snapshot` picks the way: a fork for a heap store of at least
@@ -329,7 +329,7 @@ def _child(
         (piece_rows,) = _REQUEST.unpack(raw)
         count = 0
         try:
-            view = dataclasses.replace(view, columns=backend.export_columns())
+            view = dataclasses.replace(view, columns=backend.frozen_columns())
             for f in state_files(view, None if piece_rows < 0 else piece_rows):
                 assert f.data is not None
                 head = {

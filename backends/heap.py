@@ -482,6 +482,25 @@ class HeapKeyedStateBackend(KeyContext):
             out[name] = ColumnSnapshot(kind, used, live, kgs, vals, keys, kc, ikeys)
         return out
 
+    def frozen_columns(self) -> dict[str, ColumnSnapshot]:
+        """:meth:`export_columns` in a process where the store changes no more (a forked
+        snapshot child): a state whose keys are all int64 (with the int64 key serializer)
+        hands out its int64 copy of them and not its key list, which a slice would take a
+        reference to each key of. The child is a copy-on-write copy: at 1M keys x 2 states
+        those references wrote (and so copied) 64 MB of pages, 15k faults and 54 ms."""
+        if self.key_serializer.name != "int64":
+            return self.export_columns()
+        out: dict[str, ColumnSnapshot] = {}
+        for name, store in self._columns.items():
+            kind = COLUMN_KINDS[self._metas[name].raw_value_ser().name]
+            kc = self._key_columns[name]
+            used, _, live, kgs, vals, _, _, ikeys = store.export(store.used, store.deletes)
+            keys: list[Any] = []
+            if ikeys is None:  # a key that is not an exact int64: the key list after all
+                used, live, kgs, vals, keys, ikeys = kc.refresh(store)
+            out[name] = ColumnSnapshot(kind, used, live, kgs, vals, keys, kc, ikeys)
+        return out
+
     def unshare_columns(self) -> None:
         """Right after a fork (task thread): move the columnar states' value arrays, which
         the child shares now, to fresh memory (``ColumnStore.unshare``: a populated

@@ -5,6 +5,7 @@ dicts would (so old checkpoints and shared pieces keep working)."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import gc
 import random
 import weakref
@@ -272,6 +273,23 @@ def test_states_of_the_same_slots_share_one_order_and_others_sort_their_own() ->
     assert snap.columns["a"].int_keys == snap.columns["c"].int_keys
     assert snap.columns["a"].int_keys != snap.columns["b"].int_keys
     assert _files(snap, 512) == _files(b.snapshot(), 512)
+
+
+@pytest.mark.parametrize("key_serializer", [INT64, STR])
+def test_frozen_columns_hand_out_int64_keys_without_the_key_list(key_serializer: Any) -> None:
+    """A forked child's columns: the same pieces as a copy's; with int64 keys the key
+    list (whose slice would write every key's reference count) is not taken."""
+    b = HeapKeyedStateBackend(key_serializer, KeyGroupRange(0, 8), 8)
+    count = b.get_state(ValueStateDescriptor("count", INT64, default=0))
+    for i in range(2000):
+        b.set_current_key(i * 7 if key_serializer is INT64 else f"k{i}")
+        count.update(count.value() + i)
+    frozen = b.frozen_columns()
+    assert (frozen["count"].keys == []) == (key_serializer is INT64)
+    assert (frozen["count"].int_keys is not None) == (key_serializer is INT64)
+    view = b.snapshot()
+    want = _files(view, 256)
+    assert _files(dataclasses.replace(view, columns=frozen), 256) == want
 
 
 def test_a_column_snapshot_keeps_its_state_while_the_store_changes() -> None:
