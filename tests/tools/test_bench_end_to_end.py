@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.bench.end_to_end import _headline
+from tools.bench.end_to_end import _cpu_facts, _headline
 
 
 def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **kw: Any) -> dict:
@@ -68,3 +68,18 @@ def test_whole_run_materialization_ratio_is_over_the_log_only_case_of_the_same_s
     assert out["materialization_whole_run_ratio_rocksdb"] == 0.8
     quick = _headline(cases[:2], None)  # no long-log case: no ratio
     assert quick["materialization_whole_run_ratio_heap"] is None
+
+
+def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
+    def sample(t: float, cpu: float, flt: int, kid: float, kid_flt: int) -> dict[str, Any]:
+        return {"t": t, "cpu_s": cpu, "minflt": flt, "child_cpu_s": kid, "child_minflt": kid_flt}
+
+    samples = [sample(10.0, 5.0, 1000, 1.0, 50), sample(12.0, 6.5, 3000, 2.2, 20050)]
+    assert _cpu_facts(samples, 4) == {
+        "worker_cores": 0.75,
+        "minflt_per_s": 1000,
+        "child_cpu_per_mat_s": 0.3,
+        "child_minflt_per_mat": 5000,
+    }
+    assert _cpu_facts(samples, 0)["child_cpu_per_mat_s"] == 1.2  # no division by zero
+    assert _cpu_facts([{"t": 1.0, "n": 0}, {"t": 2.0, "n": 5}], 3) == {}  # an older worker

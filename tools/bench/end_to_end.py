@@ -43,6 +43,7 @@ import itertools
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -79,6 +80,8 @@ COLUMNS = [
     "files_per_cp",
     "bytes_per_cp",
     "peak_rss_mb",
+    "child_cpu_per_mat_s",
+    "minflt_per_s",
 ]
 
 OPERATOR = "count-sum"
@@ -188,7 +191,7 @@ def worker(args: argparse.Namespace) -> int:
         while True:
             time.sleep(0.2)
             n = functions[0].n if functions else 0
-            _emit({"event": "sample", "t": time.time(), "n": n, "rss_kb": _rss_kb()})
+            _emit({"event": "sample", "t": time.time(), "n": n, "rss_kb": _rss_kb(), **_usage()})
 
     pipeline = Pipeline(
         JOB,
@@ -222,6 +225,21 @@ def _size_breakdown(cp: Any) -> dict[str, int]:
                 seg[c.location] = c.size_bytes
                 rows += c.rows
     return {"bytes_mat": sum(mat.values()), "bytes_log": sum(seg.values()), "log_rows": rows}
+
+
+def _usage() -> dict[str, float]:
+    """CPU seconds and minor page faults so far of this process and of its reaped
+    children (the forked snapshots: the fork path reaps each)."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return {
+        "cpu_s": me.ru_utime + me.ru_stime,
+        "minflt": me.ru_minflt,
+        "child_cpu_s": kids.ru_utime + kids.ru_stime,
+        "child_minflt": kids.ru_minflt,
+    }
 
 
 def _rss_kb() -> int:
@@ -482,6 +500,24 @@ def _summarize(
         "files_per_cp": round(median(c["files_new"] for c in cps), 1) if cps else None,
         "bytes_per_cp": round(median(c["bytes_new"] for c in cps)) if cps else None,
         "peak_rss_mb": round(max((e.get("rss_kb", 0) for e in events), default=0) / 1024, 1),
+        **_cpu_facts(samples, len(mats)),
+    }
+
+
+def _cpu_facts(samples: list[dict[str, Any]], materializations: int) -> dict[str, Any]:
+    """Over the measured samples: the worker's cores in use (its own CPU seconds a
+    second), its minor page faults a second, and its forked snapshot children's CPU
+    seconds and page faults per materialization (a child counts once reaped)."""
+    if len(samples) < 2 or "cpu_s" not in samples[0]:
+        return {}
+    first, last = samples[0], samples[-1]
+    wall = last["t"] - first["t"]
+    mats = max(materializations, 1)
+    return {
+        "worker_cores": round((last["cpu_s"] - first["cpu_s"]) / wall, 3),
+        "minflt_per_s": round((last["minflt"] - first["minflt"]) / wall),
+        "child_cpu_per_mat_s": round((last["child_cpu_s"] - first["child_cpu_s"]) / mats, 3),
+        "child_minflt_per_mat": round((last["child_minflt"] - first["child_minflt"]) / mats),
     }
 
 
