@@ -280,10 +280,10 @@ class ColumnStore:
             self._kgs[i] = kg
         else:
             i = len(self._keys)
+            self._kgs.append(kg)  # first: refused (BufferError) while viewed, nothing changed
+            self._vals.append(0)
             self._slots[key] = i
             self._keys.append(key)
-            self._kgs.append(kg)
-            self._vals.append(0)
         self.live += 1
         return i
 
@@ -331,6 +331,13 @@ class ColumnStore:
         keys = self._keys[0 if full else since_used : used]
         kgs, vals = self._kgs.tobytes(), self._vals.tobytes()
         return used, self.deletes, self.live, kgs, vals, keys, full, None
+
+    def views(self) -> tuple[int, int, memoryview, memoryview, None]:
+        """``(used, live, kgs, vals, ikeys)``: :meth:`export`'s columns as read-only views
+        of the arrays (see the C module source; while one is alive, an array refuses to
+        grow, as the C store does)."""
+        kgs, vals = memoryview(self._kgs).cast("B"), memoryview(self._vals).cast("B")
+        return len(self._keys), self.live, kgs.toreadonly(), vals.toreadonly(), None
 
     def load(self, kg: int, keys: Iterable[Any], values: Iterable[Any]) -> None:
         """Set many keys of key group ``kg``."""

@@ -314,13 +314,14 @@ _Sorted = tuple[ColumnSnapshot, np.ndarray]
 
 def _same_slots(a: ColumnSnapshot, b: ColumnSnapshot) -> bool:
     """Whether ``a`` and ``b`` hold the same int64 keys in the same key groups slot by
-    slot (so the same order sorts both): two memcmp of at most 12 MB at 1M keys."""
+    slot (so the same order sorts both): two memcmp of at most 12 MB at 1M keys (Arrow's;
+    ``==`` of two memoryviews compares byte by byte in Python's struct rules)."""
     return (
         a.int_keys is not None
         and b.int_keys is not None
         and a.used == b.used
-        and a.kgs == b.kgs
-        and a.int_keys == b.int_keys
+        and pa.py_buffer(a.kgs).equals(pa.py_buffer(b.kgs))
+        and pa.py_buffer(a.int_keys).equals(pa.py_buffer(b.int_keys))
     )
 
 

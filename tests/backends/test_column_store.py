@@ -99,6 +99,46 @@ def test_export_hands_out_only_the_keys_added_since_unless_one_was_cleared(
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_views_are_the_arrays_themselves_and_hold_them_in_place(impl: ModuleType) -> None:
+    """``views()``: export's columns without a copy, read-only; while a view lives the
+    store does not move its arrays (growth refused with nothing changed, no unshare),
+    and a view keeps its store alive."""
+    ctx = _ctx(impl)
+    s = impl.ColumnStore(ctx, "q")
+    for k in range(1000):
+        ctx.at(k, k % 7)
+        s.update(k * 3)
+    used, _, _, kgs, vals, _, _, ikeys = s.export(0, 0)
+    views = s.views()
+    assert views[:2] == (1000, 1000)
+    assert (bytes(views[2]), bytes(views[3])) == (kgs, vals)
+    assert (views[4] is None) == (ikeys is None) and (ikeys is None or bytes(views[4]) == ikeys)
+    assert views[3].readonly and len(views[3]) == used * 8
+    with pytest.raises(TypeError):
+        views[3][0:1] = b"x"
+    assert s.unshare() is False  # the C store keeps the array where its views see it
+    with pytest.raises(BufferError):
+        for k in range(1000, 3000):  # the C store grows at 1024 slots, the twin at once
+            ctx.at(k, 1)
+            s.update(k)
+    refused = k
+    ctx.at(refused, 1)
+    assert s.get(None) is None and s.used == len(s) == refused  # the refused key: no trace
+    kept = views[3]
+    del views, s
+    gc.collect()
+    assert bytes(kept[8:16]) == (3).to_bytes(8, "little") and len(kept) == 8000
+    del kept
+    s = impl.ColumnStore(ctx, "q")
+    view = s.views()
+    del view
+    for k in range(3000):  # no view left: grows again
+        ctx.at(k, 2)
+        s.update(k)
+    assert len(s) == 3000
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_column_writer_logs_before_it_writes(impl: ModuleType) -> None:
     if impl is _heapstate_c and not _records.NATIVE:
         pytest.skip("the C writer appends to the C record buffer only")
