@@ -267,11 +267,11 @@ def _column_files(
     last: _Sorted | None,
 ) -> Generator[SnapshotFile, None, _Sorted | None]:
     """:func:`state_files` of a columnar state: the same pieces, rows and bytes as its
-    dicts would give, from Arrow and numpy over the copied columns (no Python call per
-    key; the sort and the Parquet encoding release the GIL). Returns its rows' order,
-    which the next columnar state takes as is when its slots hold the same keys in the
-    same key groups (``last``: value states written for the same keys in the same order,
-    a count and a sum: one sort, not one per state)."""
+    dicts would give, from Arrow and numpy over the columns (copies, or a forked child's
+    views; no Python call per key, and the sort and the Parquet encoding release the
+    GIL). Returns its rows' order, which the next columnar state takes as is when its
+    slots hold the same keys in the same key groups (``last``: value states written for
+    the same keys in the same order, a count and a sum: one sort, not one per state)."""
     schema = schema_for(meta, key_ser)
     kgs = np.frombuffer(column.kgs, np.int32, column.used)
     value_type = schema.field("value").type
