@@ -40,8 +40,8 @@ def _heap() -> HeapKeyedStateBackend:
 
 def _write(b: Any, keys: range, salt: int) -> None:
     """Every state kind: values in dicts and columnar (with deletions), lists and maps.
-    The dict value state alone is large enough to fork; the columnar one reaches the
-    child as columns copied before the fork."""
+    The dict value state alone is large enough to fork; the columnar one the child
+    reads from its copy of the store."""
     count = b.get_state(ValueStateDescriptor("count", INT64))
     label = b.get_state(ValueStateDescriptor("label", STR))
     seen = b.get_state(ListStateDescriptor("seen", STR))
@@ -121,3 +121,35 @@ def test_changelog_off_checkpoints_fork_too(tmp_path: Path) -> None:
         _write(full, range(0, KEYS, 5), 1)  # after the barrier: not in checkpoint 1
         handle = future.result()
         assert _restored(fileio, handle) == at_barrier != snapshot_entries(full.inner)
+
+
+def test_only_an_upload_that_encodes_here_shortens_the_gil_slices(
+    storage: tuple[FileIO, ChangelogStorage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copied snapshot's pieces are encoded on the upload thread: short slices
+    (:data:`dstl.gil.GIL_SLICE_S`); a forked child's upload only moves bytes, at the
+    process's own switch interval."""
+    import sys
+
+    import materializer.materializer as materializer_mod
+    from dstl.gil import GIL_SLICE_S
+
+    seen: list[tuple[str, float]] = []
+    real = materializer_mod.snapshot_files
+
+    def spy(snapshot: Any, piece_rows: int | None) -> Any:
+        seen.append((type(snapshot).__name__, sys.getswitchinterval()))
+        return real(snapshot, piece_rows)
+
+    monkeypatch.setattr(materializer_mod, "snapshot_files", spy)
+    fileio, st = storage
+    for keys in (1000, KEYS):
+        b = ChangelogKeyedStateBackend(_heap(), st.create_writer(f"op-{keys}"))
+        count = b.get_state(ValueStateDescriptor("count", INT64))
+        for i in range(keys):
+            b.set_current_key(i)
+            count.update(i)
+        Materializer(b, fileio, JOB, f"op-{keys}", 0).materialize_now()
+    own = sys.getswitchinterval()
+    assert own > GIL_SLICE_S
+    assert seen == [("StateSnapshot", GIL_SLICE_S), ("ForkedSnapshot", own)]
