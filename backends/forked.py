@@ -163,7 +163,7 @@ def fork_snapshot(
         fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
     os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
     backend.unshare_columns()
-    return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r)
+    return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r, bool(nice))
 
 
 _lazy_imported = False
@@ -199,6 +199,9 @@ class ForkedSnapshot:
     pid: int
     _request_fd: int
     _pieces_fd: int
+    background: bool = False
+    """The child runs below the task's priority (a state of :data:`NICE_MIN_ENTRIES`
+    entries or more): its upload should not hurry the task either."""
     _finalizer: weakref.finalize = field(init=False)
 
     def __post_init__(self) -> None:

@@ -128,6 +128,7 @@ def test_only_a_large_state_s_child_runs_below_the_task_s_priority(
         assert isinstance(snap, ForkedSnapshot)
         reaped.append(snap.pid)
         assert os.getpriority(os.PRIO_PROCESS, snap.pid) == min(niceness, 19)
+        assert snap.background is (niceness != own)
         assert _pieces(snap.pieces(PIECE_ROWS)) == _pieces(state_files(b.snapshot(1), PIECE_ROWS))
         snap.release()
 

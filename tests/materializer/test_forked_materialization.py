@@ -123,14 +123,16 @@ def test_changelog_off_checkpoints_fork_too(tmp_path: Path) -> None:
         assert _restored(fileio, handle) == at_barrier != snapshot_entries(full.inner)
 
 
-def test_only_an_upload_that_encodes_here_shortens_the_gil_slices(
+def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
     storage: tuple[FileIO, ChangelogStorage], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A copied snapshot's pieces are encoded on the upload thread: short slices
-    (:data:`dstl.gil.GIL_SLICE_S`); a forked child's upload only moves bytes, at the
-    process's own switch interval."""
+    """A copied snapshot's pieces are encoded on the upload thread, and a small state's
+    materialization time bounds its full size: short slices
+    (:data:`dstl.gil.GIL_SLICE_S`). A large state's forked child runs in the background,
+    and its upload, which only moves bytes, at the process's own switch interval."""
     import sys
 
+    import backends.forked as forked_mod
     import materializer.materializer as materializer_mod
     from dstl.gil import GIL_SLICE_S
 
@@ -143,13 +145,19 @@ def test_only_an_upload_that_encodes_here_shortens_the_gil_slices(
 
     monkeypatch.setattr(materializer_mod, "snapshot_files", spy)
     fileio, st = storage
-    for keys in (1000, KEYS):
-        b = ChangelogKeyedStateBackend(_heap(), st.create_writer(f"op-{keys}"))
+    for keys, large in ((1000, False), (KEYS, False), (KEYS, True)):
+        if large:
+            monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
+        b = ChangelogKeyedStateBackend(_heap(), st.create_writer(f"op-{keys}-{large}"))
         count = b.get_state(ValueStateDescriptor("count", INT64))
         for i in range(keys):
             b.set_current_key(i)
             count.update(i)
-        Materializer(b, fileio, JOB, f"op-{keys}", 0).materialize_now()
+        Materializer(b, fileio, JOB, f"op-{keys}-{large}", 0).materialize_now()
     own = sys.getswitchinterval()
     assert own > GIL_SLICE_S
-    assert seen == [("StateSnapshot", GIL_SLICE_S), ("ForkedSnapshot", own)]
+    assert seen == [
+        ("StateSnapshot", GIL_SLICE_S),
+        ("ForkedSnapshot", GIL_SLICE_S),
+        ("ForkedSnapshot", own),
+    ]
