@@ -476,13 +476,13 @@ class HeapKeyedStateBackend(KeyContext):
 
     def export_columns(self) -> dict[str, ColumnSnapshot]:
         """A copy of every columnar state (task thread; see :class:`ColumnSnapshot`)."""
-        out: dict[str, ColumnSnapshot] = {}
-        for name, store in self._columns.items():
-            kind = COLUMN_KINDS[self._metas[name].raw_value_ser().name]
-            kc = self._key_columns[name]
-            used, live, kgs, vals, keys, ikeys = kc.refresh(store)
-            out[name] = ColumnSnapshot(kind, used, live, kgs, vals, keys, kc, ikeys)
-        return out
+        return {name: self._export_column(name, store) for name, store in self._columns.items()}
+
+    def _export_column(self, name: str, store: ColumnStore) -> ColumnSnapshot:
+        kind = COLUMN_KINDS[self._metas[name].raw_value_ser().name]
+        kc = self._key_columns[name]
+        used, live, kgs, vals, keys, ikeys = kc.refresh(store)
+        return ColumnSnapshot(kind, used, live, kgs, vals, keys, kc, ikeys)
 
     def frozen_columns(self) -> dict[str, ColumnSnapshot]:
         """:meth:`export_columns` in a process where the store changes no more (a forked
@@ -494,17 +494,17 @@ class HeapKeyedStateBackend(KeyContext):
         fresh pages: at 1M keys x 2 states, copying the arrays took 10k page faults and
         ~30 ms, and a slice of the key list (a reference taken to each key: a write to
         every key's page) 15.6k faults and 54 ms."""
+        if self.key_serializer.name != "int64":
+            return self.export_columns()
         out: dict[str, ColumnSnapshot] = {}
-        int_keys = self.key_serializer.name == "int64"
         for name, store in self._columns.items():
+            used, live, kgs, vals, ikeys = store.views()
+            if ikeys is None:  # a key that is not an exact int64: the key list after all
+                out[name] = self._export_column(name, store)
+                continue
             kind = COLUMN_KINDS[self._metas[name].raw_value_ser().name]
             kc = self._key_columns[name]
-            used, live, kgs, vals, ikeys = store.views()
-            if ikeys is not None and int_keys:
-                out[name] = ColumnSnapshot(kind, used, live, kgs, vals, [], kc, ikeys)
-            else:  # the keys as Python objects after all, and copies with them
-                u, n, g, v, keys, ik = kc.refresh(store)
-                out[name] = ColumnSnapshot(kind, u, n, g, v, keys, kc, ik)
+            out[name] = ColumnSnapshot(kind, used, live, kgs, vals, [], kc, ikeys)
         return out
 
     def unshare_columns(self) -> None:
