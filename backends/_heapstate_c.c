@@ -1276,8 +1276,9 @@ done:
  * child it stays). Updates then write pages nobody shares, instead of taking one
  * copy-on-write fault per page, each with the GIL held and, in a process with threads on
  * other CPUs, a TLB shootdown. True if moved; False if the mapping failed or a view
- * (views()) pins the array (nothing changed: the faults come as before). The store is the task thread's, so nothing else
- * touches the array while the GIL is released. Growth moves it back to PyMem memory. */
+ * (views()) pins the array (nothing changed: the faults come as before). The store is
+ * the task thread's, so nothing else touches the array while the GIL is released.
+ * Growth moves it back to PyMem memory. */
 static PyObject *
 cs_unshare(PyObject *op, PyObject *unused)
 {

@@ -36,8 +36,8 @@ pieces), one materialization took 3.5-5 s at 5 ms, 2-2.8 s at 2 ms, 1.6-1.9 s at
 1.2-1.8 s at 0.5 ms; the task's throughput while it ran fell with the interval (the
 GIL the upload thread holds is taken from the task), so 1 ms: the shortest that keeps
 a materialization of 1M keys under 2 s. Those were uploads that encoded in-process; a
-forked heap snapshot's upload only moves the child's bytes and keeps the default
-(``materializer.Materializer.upload_result``)."""
+large state's forked heap snapshot (a background child) only has its bytes moved by the
+upload, which keeps the default (``materializer.Materializer.upload_result``)."""
 
 CHECKPOINT_GIL_SLICE_S = 0.0002
 """The switch interval while a checkpoint is in flight (trigger to recorded). Its own part
