@@ -144,6 +144,8 @@ def test_snapshot_failure_counts_against_the_budget(tmp_path: Path) -> None:
 def test_owned_thread_is_named_and_results_come_back_to_the_task_thread(
     tmp_path: Path,
 ) -> None:
+    """Uploads and the deletes of released files run on the named thread; results are
+    applied on the task thread."""
     local = tmp_path / "db"
     local.mkdir()
     backend = LocalFilesBackend(str(local))
@@ -160,6 +162,14 @@ def test_owned_thread_is_named_and_results_come_back_to_the_task_thread(
         return original(mat_id, snap)
 
     mat.upload_result = spy  # type: ignore[method-assign]
+    delete_threads: list[str] = []
+    deleted = mat.delete_files
+
+    def delete_spy(urls: list[str]) -> None:
+        delete_threads.append(threading.current_thread().name)
+        deleted(urls)
+
+    mat.delete_files = delete_spy  # type: ignore[method-assign]
     with MaterializationScheduler(
         mat,
         MaterializationOptions(interval_s=1.0),
@@ -173,7 +183,18 @@ def test_owned_thread_is_named_and_results_come_back_to_the_task_thread(
         assert ready.wait(30)
         result = sched.poll()
         assert result is not None and backend.base == (result.handle,)
+        ready.clear()
+        backend.write("sst-2", b"y")
+        backend.live = ["sst-2"]
+        backend.changed = True
+        clock.now += 1
+        assert sched.run_once() is None  # starts the second
+        assert ready.wait(30)
+        assert sched.poll() is not None  # releases the first base: nothing claims it
+        assert sched.released_files == 1
     assert upload_threads[0].startswith("materialize-op-0")
+    assert delete_threads[0].startswith("materialize-op-0")
+    assert not mat.fileio.exists(mat.fileio.relative(result.new_files[0]))
     assert not any(t.name.startswith("materialize-op-0") for t in threading.enumerate())
 
 
@@ -263,6 +284,8 @@ def test_unreferenced_bases_are_released_claimed_ones_kept(tmp_path: Path) -> No
     (old_file,) = first.new_files  # type: ignore[attr-defined]
     assert store.exists(store.relative(old_file)), "claimed by a pending checkpoint"
     sched.on_checkpoint_aborted(7)
+    assert store.exists(store.relative(old_file)), "deleted on the executor, not the task"
+    executor.run_all()
     assert not store.exists(store.relative(old_file)), "released once the claim is gone"
     # A base a completed checkpoint holds is left to the metadata store's reference counts.
     sched.on_barrier(8)
@@ -297,6 +320,7 @@ def test_a_file_shared_by_unreferenced_bases_is_released_with_the_last(tmp_path:
     backend.live = ["sst-3"]
     backend.changed = True
     third = _materialize(sched, executor, clock)
+    executor.run_all()
     gone = [*first.new_files, *second.new_files]  # type: ignore[attr-defined]
     assert [f for f in gone if store.exists(store.relative(f))] == []
     assert all(store.exists(store.relative(f)) for f in third.handle.files())  # type: ignore[attr-defined]
