@@ -70,7 +70,6 @@ from dstl.errors import (
     ConfigError,
     JobFailedError,
     MetadataStoreError,
-    StorageError,
 )
 from dstl.fileio import FileIO
 from dstl.gil import (
@@ -644,11 +643,14 @@ class CheckpointCoordinator:
         self._delete(garbage)
 
     def _delete(self, files: list[str]) -> None:
+        paths = []
         for url in files:
             try:
-                self._fileio.delete(self._fileio.relative(url))
-            except (StorageError, ConfigError) as exc:
+                paths.append(self._fileio.relative(url))
+            except ConfigError as exc:
                 log.warning("release delete failed file=%s error=%s", url, exc)
+        for path, err in self._fileio.delete_many(paths):
+            log.warning("release delete failed file=%s error=%s", path, err)
 
 
 def checkpoint_stats(

@@ -836,15 +836,13 @@ class ChangelogStorage:
         self._delete(deletable)
 
     def _delete(self, paths: Iterable[str]) -> None:
-        for path in paths:
-            try:
-                self.fileio.delete(path)
-            except StorageError as exc:  # nothing references it: the orphan sweep will
-                log.warning("segment delete failed key=%s error=%s", path, exc)
-                continue
-            with self._lock:
-                self.segments_deleted += 1
-            log.debug("segment deleted key=%s", path)
+        paths = list(paths)
+        failed = self.fileio.delete_many(paths)
+        for path, exc in failed:  # nothing references it: the orphan sweep will
+            log.warning("segment delete failed key=%s error=%s", path, exc)
+        with self._lock:
+            self.segments_deleted += len(paths) - len(failed)
+        log.debug("segments deleted count=%d", len(paths) - len(failed))
 
     def close(self) -> None:
         """Upload what is queued, then stop and join the upload thread and attempt pool.

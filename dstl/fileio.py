@@ -16,7 +16,7 @@ import itertools
 import os
 import posixpath
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -277,6 +277,35 @@ class FileIO:
             except FileNotFoundError:
                 return False
             return True
+
+    def delete_many(self, paths: Sequence[str]) -> tuple[tuple[str, StorageError], ...]:
+        """Delete every one of ``paths`` (a missing one is no error); those that failed.
+
+        On S3, one ``DeleteObjects`` request per 1000 keys (s3fs's ``rm`` of a list) where
+        :meth:`delete` sends one request per file: 32 files, one materialization at 1M
+        keys, took 125-140 ms through :meth:`delete` on moto at 127.0.0.1. S3 reports a
+        key it could not delete inside a successful bulk response, and s3fs drops that
+        report: such a file stays until the orphan sweep, without an error here. A
+        failed request fails every path of it. Elsewhere, :meth:`delete` for each path.
+        Raises :class:`ConfigError` (nothing deleted) for a path outside the root.
+        """
+        full = [self._abs(path) for path in paths]
+        if self.scheme != "s3":
+            failed = []
+            for path in paths:
+                try:
+                    self.delete(path)
+                except StorageError as exc:
+                    failed.append((path, exc))
+            return tuple(failed)
+        if not full:
+            return ()
+        try:
+            with _translated(self.url(paths[0])):
+                self._fs.rm(full)
+        except StorageError as exc:
+            return tuple((path, exc) for path in paths)
+        return ()
 
     def delete_tree(self, prefix: str) -> None:
         """Delete everything below ``prefix``; a missing prefix is not an error."""

@@ -60,7 +60,7 @@ from backends.heap import StateSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import layout
-from dstl.errors import ConfigError, StorageError
+from dstl.errors import ConfigError
 from dstl.fileio import FileIO
 from dstl.gil import short_gil_slices
 from dstl.handles import ChangelogHandle
@@ -442,11 +442,10 @@ class Materializer:
             owned.close()
 
     def _delete(self, urls: list[str]) -> None:
-        for url in urls:
-            try:
-                self.fileio.delete(self.fileio.relative(url))
-            except StorageError as exc:  # best effort: the orphan sweep gets it later
-                log.warning("materialization cleanup failed file=%s error=%s", url, exc)
+        # Best effort: the orphan sweep gets what is left.
+        failed = self.fileio.delete_many([self.fileio.relative(url) for url in urls])
+        for path, exc in failed:
+            log.warning("materialization cleanup failed file=%s error=%s", path, exc)
 
     def materialize_now(self) -> MaterializationHandle:
         """Snapshot, upload and apply on the calling (task) thread. For tests and tools."""

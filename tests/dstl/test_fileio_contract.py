@@ -85,6 +85,18 @@ def test_list_is_recursive_sorted_and_sized(fileio: FileIO) -> None:
     assert all(fileio.relative(f.path).startswith("p/") for f in listed)
 
 
+def test_delete_many_deletes_exactly_the_paths_given(fileio: FileIO) -> None:
+    for i in range(5):
+        fileio.write_new(f"m/{i}", b"x")
+    fileio.write_new("m/sub/keep", b"k")
+    assert fileio.delete_many(["m/0", "m/2", "m/4", "m/missing"]) == ()
+    assert [fileio.relative(f.path) for f in fileio.list("m")] == ["m/1", "m/3", "m/sub/keep"]
+    assert fileio.delete_many([]) == ()
+    with pytest.raises(ConfigError):  # nothing deleted: the paths are checked first
+        fileio.delete_many(["m/1", "../outside"])
+    assert fileio.exists("m/1")
+
+
 def test_delete_is_tolerant_of_missing(fileio: FileIO) -> None:
     fileio.write_new("d/1", b"x")
     fileio.write_new("d/2", b"y")
