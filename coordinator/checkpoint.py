@@ -643,14 +643,8 @@ class CheckpointCoordinator:
         self._delete(garbage)
 
     def _delete(self, files: list[str]) -> None:
-        paths = []
-        for url in files:
-            try:
-                paths.append(self._fileio.relative(url))
-            except ConfigError as exc:
-                log.warning("release delete failed file=%s error=%s", url, exc)
-        for path, err in self._fileio.delete_many(paths):
-            log.warning("release delete failed file=%s error=%s", path, err)
+        for url, exc in self._fileio.delete_many(files):
+            log.warning("release delete failed file=%s error=%s", url, exc)
 
 
 def checkpoint_stats(

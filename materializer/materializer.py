@@ -442,10 +442,8 @@ class Materializer:
             owned.close()
 
     def _delete(self, urls: list[str]) -> None:
-        # Best effort: the orphan sweep gets what is left.
-        failed = self.fileio.delete_many([self.fileio.relative(url) for url in urls])
-        for path, exc in failed:
-            log.warning("materialization cleanup failed file=%s error=%s", path, exc)
+        for url, exc in self.fileio.delete_many(urls):  # the orphan sweep gets what is left
+            log.warning("materialization cleanup failed file=%s error=%s", url, exc)
 
     def materialize_now(self) -> MaterializationHandle:
         """Snapshot, upload and apply on the calling (task) thread. For tests and tools."""
