@@ -65,12 +65,24 @@ static RecordsCAPI *records_api;
 
 /* -- KeyContext ------------------------------------------------------------------------ */
 
+struct ColumnStore;
+#define KC_PREFETCH_MAX 8
+
 typedef struct {
     PyObject_HEAD
     PyObject *current_key;
     PyObject *current_key_bytes;
     PyObject *current_key_group;
+    /* The column stores whose key index set_current_key_raw prefetches (kc_prefetch).
+     * Borrowed: a store registers itself in cs_init and unregisters before it lets go of
+     * its backend (cs_clear_refs), and it holds a reference to the backend until then, so
+     * every pointer here is a live store. The first KC_PREFETCH_MAX stores only. */
+    struct ColumnStore *prefetch[KC_PREFETCH_MAX];
+    int nprefetch;
+    int fanout; /* set by a key switch, cleared by the first lookup: see cs_fanout */
 } KeyContext;
+
+static void kc_prefetch(KeyContext *self, PyObject *key);
 
 static PyObject *
 kc_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -112,6 +124,35 @@ kc_dealloc(PyObject *op)
     Py_TYPE(op)->tp_free(op);
 }
 
+/* set_current_key_raw(key, key_bytes, key_group): set the three members, then start
+ * loading the key's index entry of every registered column store (kc_prefetch). At 1M
+ * keys a state's lookup misses the caches twice in a row (the index, then the value); the
+ * prefetch overlaps the first miss with the Python code between the key switch and the
+ * state's first get. */
+static PyObject *
+kc_set_raw(PyObject *op, PyObject *const *args, Py_ssize_t nargs)
+{
+    KeyContext *self = (KeyContext *)op;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "set_current_key_raw takes 3 arguments (key, key_bytes, key_group), "
+                     "%zd given", nargs);
+        return NULL;
+    }
+    Py_XSETREF(self->current_key, Py_NewRef(args[0]));
+    Py_XSETREF(self->current_key_bytes, Py_NewRef(args[1]));
+    Py_XSETREF(self->current_key_group, Py_NewRef(args[2]));
+    kc_prefetch(self, args[0]);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef kc_methods[] = {
+    {"set_current_key_raw", (PyCFunction)(void (*)(void))kc_set_raw, METH_FASTCALL,
+     "set_current_key_raw(key, key_bytes, key_group): make key current, its bytes and "
+     "group already known"},
+    {NULL, NULL, 0, NULL},
+};
+
 /* Py_T_OBJECT_EX: CPython 3.11 specializes attribute access only for those. Python may
  * set them to anything or delete them (NULL): the states check (current_get). */
 static PyMemberDef kc_members[] = {
@@ -133,6 +174,7 @@ static PyTypeObject KeyContextType = {
     .tp_clear = kc_clear,
     .tp_dealloc = kc_dealloc,
     .tp_members = kc_members,
+    .tp_methods = kc_methods,
 };
 
 /* -- the states ------------------------------------------------------------------------ */
@@ -522,13 +564,20 @@ HEAP_STATE_TYPE(HeapMapType, "HeapMap", hm_methods,
  * ColumnWriter(store, records, op, flush).update(value): the write that first appends a
  * change record (as HeapValue's). Task thread only. */
 
+/* One entry of the int64 key index: a key and its slot side by side, so a lookup reads
+ * one cache line of the index (two arrays, keys and slots, took two: at 1M keys every
+ * lookup misses the caches, ~340 ns a get where 10k keys take ~30 ns). */
 typedef struct {
+    int64_t key;
+    Py_ssize_t slot; /* -1: empty */
+} HtEntry;
+
+typedef struct ColumnStore {
     PyObject_HEAD
     KeyContext *backend;
     PyObject *slots; /* dict: key -> slot; NULL while every key is an exact int64 */
-    int64_t *hkeys;  /* ... and then this open-addressing index holds them instead */
-    Py_ssize_t *hslots; /* -1: empty */
-    Py_ssize_t hcap;    /* a power of two, or 0 */
+    HtEntry *ht;     /* ... and then this open-addressing index holds them instead */
+    Py_ssize_t hcap; /* a power of two, or 0 */
     PyObject *keys;  /* list: slot -> key (None: free); see keys_tracked */
     int keys_tracked; /* ``keys`` is tracked by the cyclic GC (see cs_keep_key) */
     int32_t *kgs;
@@ -571,7 +620,27 @@ cs_init(PyObject *op, PyObject *args, PyObject *kwds)
     PyObject_GC_UnTrack(self->keys); /* until a key needs it: cs_keep_key */
     self->as_float = kind[0] == 'd';
     self->backend = (KeyContext *)Py_NewRef(backend);
+    if (self->backend->nprefetch < KC_PREFETCH_MAX) {
+        self->backend->prefetch[self->backend->nprefetch++] = self;
+    }
     return 0;
+}
+
+/* Drop ``s`` from its backend's prefetch list (before the store lets the backend go). */
+static void
+cs_unregister(ColumnStore *s)
+{
+    KeyContext *b = s->backend;
+    if (b == NULL) {
+        return;
+    }
+    for (int i = 0; i < b->nprefetch; i++) {
+        if (b->prefetch[i] == s) {
+            b->prefetch[i] = b->prefetch[--b->nprefetch];
+            b->prefetch[b->nprefetch] = NULL;
+            return;
+        }
+    }
 }
 
 static int
@@ -588,6 +657,7 @@ static int
 cs_clear_refs(PyObject *op)
 {
     ColumnStore *self = (ColumnStore *)op;
+    cs_unregister(self);
     Py_CLEAR(self->backend);
     Py_CLEAR(self->slots);
     Py_CLEAR(self->keys);
@@ -616,8 +686,7 @@ cs_dealloc(PyObject *op)
     cs_vals_free(self->vals, self->vals_mapped);
     PyMem_Free(self->ikeys);
     PyMem_Free(self->free_slots);
-    PyMem_Free(self->hkeys);
-    PyMem_Free(self->hslots);
+    PyMem_Free(self->ht);
     Py_TYPE(op)->tp_free(op);
 }
 
@@ -820,9 +889,9 @@ ht_find(ColumnStore *s, int64_t k)
         return -1;
     }
     size_t mask = (size_t)s->hcap - 1, j = (size_t)cs_hash(k) & mask;
-    while (s->hslots[j] >= 0) {
-        if (s->hkeys[j] == k) {
-            return s->hslots[j];
+    while (s->ht[j].slot >= 0) {
+        if (s->ht[j].key == k) {
+            return s->ht[j].slot;
         }
         j = (j + 1) & mask;
     }
@@ -830,39 +899,75 @@ ht_find(ColumnStore *s, int64_t k)
 }
 
 static void
-ht_put(int64_t *hkeys, Py_ssize_t *hslots, Py_ssize_t hcap, int64_t k, Py_ssize_t slot)
+kc_prefetch(KeyContext *self, PyObject *key)
+{
+    if (self->nprefetch == 0) {
+        return;
+    }
+    int64_t k;
+    if (!cs_int_key(key, &k)) {
+        return;
+    }
+    uint64_t h = cs_hash(k);
+    self->fanout = 1;
+    for (int i = 0; i < self->nprefetch; i++) {
+        ColumnStore *s = self->prefetch[i];
+        if (s->slots == NULL && s->hcap > 0) {
+            __builtin_prefetch(&s->ht[h & ((uint64_t)s->hcap - 1)]);
+        }
+    }
+}
+
+/* The first lookup after a key switch: the index entries kc_prefetch asked for have had
+ * the Python code in between to arrive, so the other registered stores find the key's
+ * slot without waiting, and the loads of their values start now; their own gets (a
+ * count and a sum: the next line of the function) then find them in the cache. Reads
+ * only. */
+static void
+cs_fanout(ColumnStore *s, int64_t k)
+{
+    KeyContext *b = s->backend;
+    b->fanout = 0;
+    for (int i = 0; i < b->nprefetch; i++) {
+        ColumnStore *o = b->prefetch[i];
+        if (o != s && o->slots == NULL) {
+            Py_ssize_t j = ht_find(o, k);
+            if (j >= 0) {
+                __builtin_prefetch(&o->vals[j]);
+            }
+        }
+    }
+}
+
+static void
+ht_put(HtEntry *ht, Py_ssize_t hcap, int64_t k, Py_ssize_t slot)
 {
     size_t mask = (size_t)hcap - 1, j = (size_t)cs_hash(k) & mask;
-    while (hslots[j] >= 0) {
+    while (ht[j].slot >= 0) {
         j = (j + 1) & mask;
     }
-    hkeys[j] = k;
-    hslots[j] = slot;
+    ht[j].key = k;
+    ht[j].slot = slot;
 }
 
 static int
 ht_resize(ColumnStore *s, Py_ssize_t cap)
 {
-    int64_t *hkeys = PyMem_Malloc((size_t)cap * sizeof *hkeys);
-    Py_ssize_t *hslots = PyMem_Malloc((size_t)cap * sizeof *hslots);
-    if (hkeys == NULL || hslots == NULL) {
-        PyMem_Free(hkeys);
-        PyMem_Free(hslots);
+    HtEntry *ht = PyMem_Malloc((size_t)cap * sizeof *ht);
+    if (ht == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t j = 0; j < cap; j++) {
-        hslots[j] = -1;
+        ht[j].slot = -1;
     }
     for (Py_ssize_t j = 0; j < s->hcap; j++) {
-        if (s->hslots[j] >= 0) {
-            ht_put(hkeys, hslots, cap, s->hkeys[j], s->hslots[j]);
+        if (s->ht[j].slot >= 0) {
+            ht_put(ht, cap, s->ht[j].key, s->ht[j].slot);
         }
     }
-    PyMem_Free(s->hkeys);
-    PyMem_Free(s->hslots);
-    s->hkeys = hkeys;
-    s->hslots = hslots;
+    PyMem_Free(s->ht);
+    s->ht = ht;
     s->hcap = cap;
     return 0;
 }
@@ -871,23 +976,22 @@ static void
 ht_del(ColumnStore *s, int64_t k)
 {
     size_t mask = (size_t)s->hcap - 1, j = (size_t)cs_hash(k) & mask;
-    while (s->hslots[j] >= 0 && s->hkeys[j] != k) {
+    while (s->ht[j].slot >= 0 && s->ht[j].key != k) {
         j = (j + 1) & mask;
     }
-    if (s->hslots[j] < 0) {
+    if (s->ht[j].slot < 0) {
         return;
     }
     /* backward-shift deletion: no tombstones */
     size_t hole = j;
-    for (size_t i = (j + 1) & mask; s->hslots[i] >= 0; i = (i + 1) & mask) {
-        size_t home = (size_t)cs_hash(s->hkeys[i]) & mask;
+    for (size_t i = (j + 1) & mask; s->ht[i].slot >= 0; i = (i + 1) & mask) {
+        size_t home = (size_t)cs_hash(s->ht[i].key) & mask;
         if (((i - home) & mask) >= ((i - hole) & mask)) {
-            s->hkeys[hole] = s->hkeys[i];
-            s->hslots[hole] = s->hslots[i];
+            s->ht[hole] = s->ht[i];
             hole = i;
         }
     }
-    s->hslots[hole] = -1;
+    s->ht[hole].slot = -1;
 }
 
 /* Move every key into the dict (the first key the int64 index cannot hold). */
@@ -912,10 +1016,8 @@ cs_to_dict(ColumnStore *s)
         Py_DECREF(slot);
     }
     s->slots = slots;
-    PyMem_Free(s->hkeys);
-    PyMem_Free(s->hslots);
-    s->hkeys = NULL;
-    s->hslots = NULL;
+    PyMem_Free(s->ht);
+    s->ht = NULL;
     s->hcap = 0;
     return 0;
 }
@@ -927,6 +1029,9 @@ cs_lookup(ColumnStore *s, PyObject *key)
     if (s->slots == NULL) {
         int64_t k;
         if (cs_int_key(key, &k)) {
+            if (s->backend->fanout) {
+                cs_fanout(s, k);
+            }
             return ht_find(s, k);
         }
         if (s->live == 0) {
@@ -952,7 +1057,7 @@ cs_index_add(ColumnStore *s, PyObject *key, Py_ssize_t i)
             if ((s->live + 1) * 2 > s->hcap && ht_resize(s, s->hcap ? s->hcap * 2 : 1024) < 0) {
                 return -1;
             }
-            ht_put(s->hkeys, s->hslots, s->hcap, k, i);
+            ht_put(s->ht, s->hcap, k, i);
             return 0;
         }
         if (cs_to_dict(s) < 0) {

@@ -60,6 +60,13 @@ class KeyContext:
         self.current_key = self.current_key_bytes = self.current_key_group = None
         return self
 
+    def set_current_key_raw(self, key: Any, key_bytes: Any, key_group: Any) -> None:
+        """Make ``key`` current, its bytes and key group already known (the C twin also
+        prefetches the key's index entries of the column stores)."""
+        self.current_key = key
+        self.current_key_bytes = key_bytes
+        self.current_key_group = key_group
+
 
 _VALUE, _LIST, _MAP, _REPLACE = range(4)
 _MISSING = object()

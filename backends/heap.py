@@ -332,15 +332,11 @@ class HeapKeyedStateBackend(KeyContext):
                 f"key {key!r} is in key group {kg}, outside this backend's "
                 f"[{self.key_group_range.start}, {self.key_group_range.end})"
             )
-        self.current_key = key
-        self.current_key_bytes = key_bytes
-        self.current_key_group = kg
+        self.set_current_key_raw(key, key_bytes, kg)
 
-    def set_current_key_raw(self, key: Any, key_bytes: bytes, key_group: int) -> None:
-        """Set the current key when its bytes and group are already known (replay)."""
-        self.current_key = key
-        self.current_key_bytes = key_bytes
-        self.current_key_group = key_group
+    # set_current_key_raw(key, key_bytes, key_group), the key switch when the key's bytes
+    # and group are known (keyed upstream, replay): KeyContext's, which also starts
+    # loading the key's index entries of the columnar states (backends._heapstate_c).
 
     # -- states -----------------------------------------------------------------------
     def get_state(self, descriptor: StateDescriptor) -> Any:

@@ -189,6 +189,46 @@ def _key_list(store: Any) -> list[Any]:
     return keys
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int_keys_through_the_index_match_a_dict_across_many_stores(impl: ModuleType) -> None:
+    """The C store's int64 index (open addressing, entries of key and slot side by side,
+    backward-shift deletes) and the prefetch of ``set_current_key_raw`` over more stores
+    than it registers (8), some dropped on the way: every read matches a dict's."""
+    ctx = impl.KeyContext()
+    stores = [impl.ColumnStore(ctx, "q") for _ in range(10)]
+    model: list[dict[int, int]] = [{} for _ in stores]
+    rnd = random.Random(7)
+    keys = [rnd.randrange(-(2**63), 2**63) for _ in range(300)] + list(range(3000))
+    for step in range(30000):
+        if step == 15000:  # dropped stores leave the backend's prefetch list
+            for i in (0, 4, 9):
+                stores[i] = impl.ColumnStore(ctx, "q")
+                model[i] = {}
+            gc.collect()
+        k = rnd.choice(keys)
+        ctx.set_current_key_raw(k, b"k", 1)
+        i = rnd.randrange(len(stores))
+        op = rnd.random()
+        if op < 0.5:
+            stores[i].update(step)
+            model[i][k] = step
+        elif op < 0.7:
+            stores[i].clear()
+            model[i].pop(k, None)
+        for store, m in zip(stores, model, strict=True):
+            assert store.get(None) == m.get(k)
+    assert [len(s) for s in stores] == [len(m) for m in model]
+    for store, m in zip(stores, model, strict=True):
+        _, found, values = store.entries()
+        assert dict(zip(found, values, strict=True)) == m
+    assert (ctx.current_key, ctx.current_key_bytes, ctx.current_key_group) == (k, b"k", 1)
+    ctx.set_current_key_raw("text", b"t", 2)  # a key the index cannot hold: the dict
+    stores[1].update(5)
+    assert stores[1].get(None) == 5 and stores[2].get(None) is None
+    with pytest.raises(TypeError):
+        ctx.set_current_key_raw(1, b"k")
+
+
 def test_the_key_list_stays_out_of_the_gc_until_a_key_needs_it() -> None:
     """A full collection walks every tracked container: a list of 1M int keys held the
     GIL 8-15 ms per state (issue 16). The C store keeps it untracked while no key is
