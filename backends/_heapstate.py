@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         HeapMap,
         HeapValue,
         KeyContext,
+        key_group_for,
         pack,
         pack_text,
     )
@@ -31,6 +32,7 @@ else:
     HeapMap = _impl.HeapMap
     ColumnStore = _impl.ColumnStore
     ColumnWriter = _impl.ColumnWriter
+    key_group_for = _impl.key_group_for
     pack = _impl.pack
     pack_text = _impl.pack_text
     NATIVE = _impl.__name__ == "backends._heapstate_c"
@@ -43,6 +45,7 @@ __all__ = [
     "HeapMap",
     "HeapValue",
     "KeyContext",
+    "key_group_for",
     "pack",
     "pack_text",
 ]

@@ -15,6 +15,8 @@
     ``replace(items)`` makes the list ``items`` (stored as it is) the current key's
     list, logged as one record framing every element. ``_backend`` and ``_table`` are
     read-only; a second ``__init__`` raises RuntimeError and changes nothing.
+``key_group_for(key_bytes, max_parallelism)``
+    The key group of a serialized key (:func:`backends.keygroups.key_group_for`).
 ``ColumnStore(backend, kind)``, ``ColumnWriter(store, records, op, flush)``
     A plain value state of int64 (``"q"``) or float64 (``"d"``) values kept columnar
     (documented at the ColumnStore section of ``backends/_heapstate_c.c``).
@@ -34,6 +36,7 @@ Not thread-safe: owned by the backend's task thread.
 from __future__ import annotations
 
 import array
+import zlib
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
@@ -44,6 +47,20 @@ from dstl._records import RecordColumns
 # The buffers these states append to: the Python one, and the C one when this module is
 # the fallback of a C heap state that did not import while the C buffer did.
 _BUFFERS = (_records_py.RecordColumns, RecordColumns)
+
+
+def key_group_for(key_bytes: bytes, max_parallelism: int) -> int:
+    """crc32, MurmurHash3's finalizer, modulo ``max_parallelism`` (see
+    :data:`backends.keygroups.key_group_for`)."""
+    if max_parallelism < 1:
+        raise ValueError("max_parallelism must be >= 1")
+    h = zlib.crc32(key_bytes)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h % max_parallelism
 
 
 class KeyContext:

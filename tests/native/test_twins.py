@@ -114,3 +114,32 @@ def test_the_python_pack_text_packs_the_c_packs_columns(
     assert _heapstate_c.pack_text(dicts, values, kind) == _heapstate_py.pack_text(
         dicts, values, kind
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(max_size=40), max_par=st.integers(1, 1 << 40))
+def test_the_c_key_group_is_the_python_ones(key: bytes, max_par: int) -> None:
+    """Key groups decide which subtask restores which state: both implementations give
+    every key the same group, whatever the buffer type."""
+    from backends import _heapstate_c, _heapstate_py
+
+    want = _heapstate_py.key_group_for(key, max_par)
+    assert 0 <= want < max_par
+    for given_key in (key, bytearray(key), memoryview(key)):
+        assert _heapstate_c.key_group_for(given_key, max_par) == want
+
+
+@pytest.mark.parametrize("impl", ["_heapstate_c", "_heapstate_py"])
+def test_key_groups_are_pinned_and_refuse_a_bad_parallelism(impl: str) -> None:
+    """Checkpoints already written name their key groups by this hash: it never changes."""
+    import importlib
+
+    m = importlib.import_module(f"backends.{impl}")
+    keys = (b"", b"a", bytes(8), (123456).to_bytes(8, "little"), "h\u00e9llo".encode())
+    assert [m.key_group_for(k, 128) for k in keys] == [0, 55, 27, 41, 45]
+    assert m.key_group_for(b"abc", 1 << 40) == 3505490737
+    for bad in (0, -3):
+        with pytest.raises(ValueError):
+            m.key_group_for(b"a", bad)
+    with pytest.raises(TypeError):
+        m.key_group_for("text", 128)
