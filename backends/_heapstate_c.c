@@ -12,6 +12,8 @@
  *     Base type of HeapKeyedStateBackend: current_key, current_key_bytes and
  *     current_key_group as struct members (Python reads and writes them as fast slots;
  *     the states below read them without a lookup). All start as None.
+ *     set_current_key_raw(key, key_bytes, key_group) sets the three and prefetches the
+ *     key's entries of the column stores' indexes (see kc_set_raw).
  * HeapValue(backend, table, records=None, op=None, flush=None).update(value)
  * HeapList(...).add(value), .replace(items)
  * HeapMap(...).put(user_key, value)
@@ -27,6 +29,8 @@
  *     state classes.
  * ColumnStore(backend, kind), ColumnWriter(store, records, op, flush)
  *     A plain int64 / float64 value state kept columnar (see the section below).
+ * key_group_for(key_bytes, max_parallelism)
+ *     backends.keygroups' hash of a serialized key (see the key groups section).
  * pack(dicts, values, kind), pack_text(dicts, values, kind)
  *     The keys (or values) of the dicts, packed as native int64 ("q") or float64 ("d")
  *     exactly as array.array packs them, or as an Arrow string/binary column's offsets
@@ -45,7 +49,8 @@
  * and comparing keys, converting values, flush), so that code cannot free them.
  * Public C API only.
  *
- * Not thread-safe: owned by the backend's task thread.
+ * Not thread-safe: owned by the backend's task thread (key_group_for, a pure function: any
+ * thread).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
