@@ -339,7 +339,9 @@ class Materializer:
                 wait(writes)
                 # The uploader deleted every file of a failed write (an unknown outcome
                 # too: nothing references it); these are the writes that succeeded.
-                self._delete([fut.result().location for fut in writes if fut.exception() is None])
+                self.delete_files(
+                    [fut.result().location for fut in writes if fut.exception() is None]
+                )
                 if isinstance(exc, MaterializationError):
                     raise
                 raise MaterializationError(
@@ -395,7 +397,7 @@ class Materializer:
         Only for results no checkpoint can reference (never handed to the backend, or
         ignored by it as older than its base); shared files are never touched.
         """
-        self._delete(list(result.new_files))
+        self.delete_files(list(result.new_files))
 
     def forget(self, mat_id: int) -> None:
         """Drop the bookkeeping of a snapshot that will never be uploaded."""
@@ -403,8 +405,10 @@ class Materializer:
             self._pending.pop(mat_id, None)
 
     def delete_files(self, urls: list[str]) -> None:
-        """Best-effort delete of files this materializer uploaded and nothing references."""
-        self._delete(urls)
+        """Best-effort delete of files this materializer uploaded and nothing references
+        (a failed one is logged; the orphan sweep gets what is left). Any thread."""
+        for url, exc in self.fileio.delete_many(urls):
+            log.warning("materialization cleanup failed file=%s error=%s", url, exc)
 
     def _upload_file(
         self, path: str, data: bytes, file_id: str, f: SnapshotFile
@@ -440,10 +444,6 @@ class Materializer:
                 self._uploader = None
         if owned is not None:
             owned.close()
-
-    def _delete(self, urls: list[str]) -> None:
-        for url, exc in self.fileio.delete_many(urls):  # the orphan sweep gets what is left
-            log.warning("materialization cleanup failed file=%s error=%s", url, exc)
 
     def materialize_now(self) -> MaterializationHandle:
         """Snapshot, upload and apply on the calling (task) thread. For tests and tools."""
