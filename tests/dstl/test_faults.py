@@ -35,6 +35,16 @@ def _values(fio: FaultyFileIO, handles: tuple[ChangelogHandle, ...], from_sqn: i
     return [v for t in read_changes(fio, handles, from_sqn) for v in t["value"].to_pylist()]
 
 
+def _per_key(fio: FaultyFileIO, handles: tuple[ChangelogHandle, ...]) -> dict[int, list[bytes]]:
+    """Each key group's values, in the order read (a segment groups a block's rows by key
+    group: only the order of each key's changes is kept)."""
+    out: dict[int, list[bytes]] = {}
+    for t in read_changes(fio, handles, 0):
+        for kg, v in zip(t["key_group"].to_pylist(), t["value"].to_pylist(), strict=True):
+            out.setdefault(kg, []).append(v)
+    return out
+
+
 def _assert_only_complete_segments(fio: FaultyFileIO) -> None:
     for info in fio.list("jobs"):
         SegmentReader(fio.read(fio.relative(info.path)), info.path)  # parses: not partial
@@ -46,7 +56,7 @@ def test_random_faults_never_lose_or_corrupt_a_completed_persist(fio: FaultyFile
     opts = ChangelogOptions(upload_max_attempts=3, preemptive_persist_bytes=2_000, **NO_WAIT)
     storage = ChangelogStorage(fio, "job", "w0", opts, start_thread=False)
     writers = [storage.create_writer(f"w{i}") for i in range(4)]
-    expected: dict[str, list[bytes]] = {w.writer_id: [] for w in writers}
+    expected: dict[str, dict[int, list[bytes]]] = {w.writer_id: {} for w in writers}
     referenced: set[str] = set()
     failures = successes = 0
     for checkpoint in range(1, 41):
@@ -54,8 +64,9 @@ def test_random_faults_never_lose_or_corrupt_a_completed_persist(fio: FaultyFile
         for w in writers:
             for _ in range(rng.randrange(0, 30)):
                 value = f"{w.writer_id}-{rng.random()}".encode() * rng.randrange(1, 4)
-                w.append(rng.randrange(8), "s", 1, b"k", None, value)
-                expected[w.writer_id].append(value)
+                kg = rng.randrange(8)
+                w.append(kg, "s", 1, b"k%d" % kg, None, value)
+                expected[w.writer_id].setdefault(kg, []).append(value)
         futures = [(w, w.persist(0, checkpoint)) for w in writers]
         while not storage._queue.empty():
             storage.drain_once(block=False)
@@ -68,7 +79,7 @@ def test_random_faults_never_lose_or_corrupt_a_completed_persist(fio: FaultyFile
                 continue
             successes += 1
             handles = fut.result()
-            assert _values(fio, handles, 0) == expected[w.writer_id]
+            assert _per_key(fio, handles) == expected[w.writer_id]
             for h in handles:
                 assert fio.exists(fio.relative(h.location))
                 assert fio.size(fio.relative(h.location)) == h.size_bytes

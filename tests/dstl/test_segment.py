@@ -20,6 +20,7 @@ from dstl.segment import (
     SEGMENT_VERSION,
     Block,
     SegmentReader,
+    by_key_group,
     encode_segment,
 )
 
@@ -66,13 +67,43 @@ def test_footer_describes_the_segment() -> None:
     assert pf.metadata.num_row_groups == 2
     assert pf.metadata.row_group(0).column(0).compression == "ZSTD"
     tables = _read_all(data)
-    assert tables[1]["key"].to_pylist() == BLOCKS[1].table["key"].to_pylist()
-    assert tables[0]["user_key"].to_pylist() == BLOCKS[0].table["user_key"].to_pylist()
+    assert tables[1]["key"].to_pylist() == by_key_group(BLOCKS[1].table)["key"].to_pylist()
+    assert tables[0].equals(by_key_group(BLOCKS[0].table))
 
 
-def test_dictionaries_stay_small_for_values_that_do_not_repeat() -> None:
-    """A high-cardinality column falls back to plain encoding early (its dictionary page
-    stays near 128 KiB, not Arrow's 1 MiB), while repeating columns keep theirs."""
+def test_a_block_holds_its_rows_by_key_group_each_key_in_order() -> None:
+    """Grouped by key group (the column then takes a few bytes a block); within a group
+    the rows keep the order they were appended in, so each key's changes do."""
+    rnd = random.Random(3)
+    n = 5_000
+    keys = [rnd.randrange(300) for _ in range(n)]
+    table = pa.Table.from_pydict(
+        {
+            "key_group": [k % 128 - (k == 7) * (k % 128 + 1) for k in keys],  # 7: META, -1
+            "sqn": [i // 1000 for i in range(n)],
+            "state": ["s" if i % 2 else "t" for i in range(n)],
+            "op": [1] * n,
+            "key": [b"%d" % k for k in keys],
+            "user_key": [None] * n,
+            "value": [b"%d" % i for i in range(n)],
+        },
+        schema=BLOCK_SCHEMA,
+    )
+    (got,) = _read_all(encode_segment([Block("w", 0, 5, table)]))
+    groups = got["key_group"].to_pylist()
+    assert groups == sorted(groups) and groups[0] == -1
+    per_key: dict[bytes, list[int]] = {}
+    for k, v in zip(got["key"].to_pylist(), got["value"].to_pylist(), strict=True):
+        per_key.setdefault(k, []).append(int(v))
+    assert all(vs == sorted(vs) for vs in per_key.values())  # appended in value order
+    assert sorted(got.to_pylist(), key=lambda r: int(r["value"])) == table.to_pylist()
+    pf = pq.ParquetFile(io.BytesIO(encode_segment([Block("w", 0, 5, table)])))
+    assert pf.metadata.row_group(0).column(1).total_compressed_size < 1_000  # 4.7k as appended
+
+
+def test_only_columns_of_few_values_are_dictionary_encoded() -> None:
+    """Keys, user keys and values are written plain (zstd finds what repeats); the
+    columns of a few distinct values (writer, key group, sqn, state, op) use a dictionary."""
     n = 100_000
     rnd = random.Random(7)
     rows = [rnd.randbytes(16) for _ in range(n)]  # incompressible, all distinct
@@ -90,17 +121,12 @@ def test_dictionaries_stay_small_for_values_that_do_not_repeat() -> None:
     )
     pf = pq.ParquetFile(io.BytesIO(encode_segment([Block("w", 1, 2, table)])))
     columns = {c.path_in_schema: c for c in map(pf.metadata.row_group(0).column, range(8))}
-
-    def dictionary_bytes(name: str) -> int:
-        c = columns[name]
-        assert c.has_dictionary_page, name
-        return int(c.data_page_offset - c.dictionary_page_offset)
-
-    assert dictionary_bytes("value") < 200_000
+    assert {name for name, c in columns.items() if c.has_dictionary_page} == {
+        "writer", "key_group", "sqn", "state", "op"
+    }  # fmt: skip
     assert "PLAIN" in columns["value"].encodings
-    assert dictionary_bytes("key") > 0  # 5000 distinct keys: dictionary-encoded
     assert columns["key"].total_compressed_size < columns["value"].total_compressed_size / 4
-    assert pf.read()["value"].to_pylist() == rows
+    assert sorted(pf.read()["value"].to_pylist()) == sorted(rows)
 
 
 def test_bit_flips_are_detected_or_harmless() -> None:
