@@ -262,6 +262,47 @@ def test_the_size_bound_takes_the_stores_own_ratio_unless_one_is_set(
     sched.close()
 
 
+def test_the_log_is_looked_at_right_after_a_base_is_applied(tmp_path: Path) -> None:
+    """Materializations back to back: the log written while one ran is over the bound
+    when it is applied, and the next starts at the same tick, not a size check later."""
+    from materializer.scheduler import MIN_BASE_BYTES, SIZE_CHECK_S
+
+    backend = LocalFilesBackend(str(tmp_path))
+    backend.write("sst-1", b"x" * 100)
+    backend.live = ["sst-1"]
+    clock = Clock()
+    executor = ManualExecutor()
+    sched = MaterializationScheduler(
+        Materializer(backend, FileIO(str(tmp_path / "store")), "job", "op", 0, clock),
+        MaterializationOptions(interval_s=100.0, max_log_ratio=0.4),
+        clock=clock,
+        rng=lambda: 0.5,
+        executor=executor,
+    )
+    backend.log = MIN_BASE_BYTES
+    clock.now += 1.0
+    assert sched.tick(clock.now)  # the bound, far before the interval
+    clock.now += SIZE_CHECK_S / 10
+    assert not sched.tick(clock.now)  # in flight
+    executor.run_all()
+    clock.now += SIZE_CHECK_S / 10  # still within the last check's SIZE_CHECK_S
+    assert sched.poll() is not None  # applied; the log written meanwhile is over the bound
+    backend.changed = True
+    assert sched.tick(clock.now)
+    assert sched.size_triggered == 2
+    executor.run_all()
+    backend.log = 0
+    clock.now += SIZE_CHECK_S / 10
+    assert sched.poll() is not None
+    backend.changed = True
+    assert not sched.tick(clock.now)  # a log under the bound waits
+    backend.log = MIN_BASE_BYTES
+    assert not sched.tick(clock.now + SIZE_CHECK_S / 2)  # looked at: not again so soon
+    assert sched.tick(clock.now + SIZE_CHECK_S)
+    executor.run_all()
+    sched.close()
+
+
 def _materialize(sched: MaterializationScheduler, executor: ManualExecutor, clock: Clock) -> object:
     clock.now = sched.next_due
     assert sched.tick(clock.now)
