@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ from backends.forked import ForkedSnapshot, fork_snapshot, materialization_snaps
 from backends.heap import StateSnapshot
 from backends.serializers import INT64, STR
 from backends.state import StateTtlConfig
-from backends.tables import state_files
+from backends.tables import DEFAULT_PIECE_ROWS, state_files
 from dstl import gil
 from tests.processes import continued, stopped
 
@@ -173,8 +174,9 @@ def test_a_child_that_dies_fails_the_read(reaped: list[int]) -> None:
     snap.release()
 
 
+@pytest.mark.parametrize("rows", [PIECE_ROWS, DEFAULT_PIECE_ROWS])  # anew; encoded ahead
 def test_an_error_in_the_child_is_raised_in_the_parent(
-    reaped: list[int], monkeypatch: pytest.MonkeyPatch
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch, rows: int
 ) -> None:
     def broken(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
         yield from state_files(snapshot, piece_rows)
@@ -186,8 +188,43 @@ def test_an_error_in_the_child_is_raised_in_the_parent(
     assert isinstance(snap, ForkedSnapshot)
     reaped.append(snap.pid)
     with pytest.raises(SnapshotProcessError, match="ValueError: cannot encode this"):
-        list(snap.pieces(PIECE_ROWS))
+        list(snap.pieces(rows))
     snap.release()
+
+
+@pytest.mark.parametrize("rows", [DEFAULT_PIECE_ROWS, PIECE_ROWS])
+def test_the_child_encodes_default_pieces_before_it_is_asked(
+    reaped: list[int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rows: int
+) -> None:
+    """The child starts on pieces of the default size at once; asked for those it sends
+    what it encoded, asked for another size it encodes anew. It tells us each
+    ``state_files`` call through a FIFO (it keeps no inherited descriptor)."""
+    fifo = str(tmp_path / "calls")
+    os.mkfifo(fifo)
+
+    def told(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
+        fd = os.open(fifo, os.O_WRONLY)
+        os.write(fd, b"%d\n" % piece_rows)
+        os.close(fd)
+        yield from state_files(snapshot, piece_rows)
+
+    monkeypatch.setattr(forked_mod, "state_files", told)
+    b = _backend(3000)
+    want = _pieces(state_files(b.snapshot(1), rows))
+    snap = fork_snapshot(b, 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    calls = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # no wait for a writer
+    assert select.select([calls], [], [], 10)[0], "the child did not start encoding"
+    assert os.read(calls, 64) == b"%d\n" % DEFAULT_PIECE_ROWS  # before it was asked
+    got = _pieces(snap.pieces(rows))
+    snap.release()
+    assert got == want
+    later = b""
+    while chunk := os.read(calls, 64):  # end of file: the child is gone
+        later += chunk
+    os.close(calls)
+    assert later == (b"" if rows == DEFAULT_PIECE_ROWS else b"%d\n" % rows)
 
 
 def test_a_silent_child_times_out(reaped: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
