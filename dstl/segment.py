@@ -96,9 +96,12 @@ def by_key_group(table: pa.Table) -> pa.Table:
     0.03. Bytes a change of end-to-end worker segments (count and sum, ~28k rows a block),
     as appended against grouped: 4.13 / 3.45 at 1M uniform keys, 4.14 / 3.48 at 100k,
     4.19 / 3.81 with 10k hot keys; the encoding took ~1.3 ms more a block (of ~3.4 ms),
-    in the segment encoder's process. No reader relies on this order: each selects the
-    rows it replays by key group and sequence number, and replays a key's changes in the
-    order they have in the log (block by block, row by row).
+    in the segment encoder's process. No reader relies on this order for what it reads:
+    each selects the rows it replays by key group and sequence number, and replays a
+    key's changes in the order they have in the log (block by block, row by row). For
+    speed, the replay of value states puts a block in state order before it gathers it
+    (``backends.restore``): grouped by key group, the states updated together alternate
+    row by row.
     """
     kg = table.column("key_group")
     return table.take(pc.sort_indices(kg)) if table.num_rows > 1 else table
