@@ -82,7 +82,8 @@ class ChangelogOptions:
     ``dstl.preemptive-persist-bytes`` upload a writer's buffer above this size    1 MiB
     ``dstl.in-flight.max-bytes``      backpressure: bytes in uploads at most      100 MiB
     ``dstl.upload.max-attempts``      attempts per segment (hedges count)         3
-    ``dstl.upload.attempt-timeout-s`` hedge an attempt slower than this ("none")  10
+    ``dstl.upload.attempt-timeout-s`` hedge an attempt slower than this ("none";  10
+                                      S3 only, see ``FileIO.hedged``)
     ``dstl.upload.retry-delay-s``     first retry delay after a transient error   0.1
     ``dstl.upload.retry-max-delay-s`` cap of the exponential retry delay          2
     ================================  ==========================================  =======
@@ -780,7 +781,7 @@ class ChangelogStorage:
                 data,
                 self._policy,
                 self._clock,
-                self._attempts,
+                self._attempts if self.fileio.hedged else None,
             )
             path = write.run()
         except (StorageError, ValueError, pa.ArrowException) as exc:

@@ -132,6 +132,18 @@ class FileIO:
         return f"FileIO({self._root_url!r})"
 
     @property
+    def hedged(self) -> bool:
+        """Whether a slow write is worth a second attempt beside it (see
+        :class:`~dstl.retry.HedgedWrite`): on an object store another request may reach
+        another server and win. A local disk's second attempt would wait in the same
+        device queue, so its writes run on the thread that uploads, one attempt after
+        another (retries, no hedging): handing each to a pool thread and back cost that
+        thread 2 GIL hand-offs per file beside a busy task thread (a pre-emptive changelog
+        segment's write took 16 ms at p50 instead of 8; a heap materialization at 100k keys
+        70 ms instead of 55)."""
+        return self.scheme == "s3"
+
+    @property
     def root_url(self) -> str:
         """The store's root as a URL, without credentials."""
         return self._root_url

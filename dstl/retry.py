@@ -209,7 +209,10 @@ class HedgedWrite:
     """One blob written with retries and hedging; the first successful attempt wins.
 
     Owned by one driving thread (the upload thread) that calls :meth:`run`; attempts run on
-    ``executor`` and report back under ``self._lock``. Every attempt writes under a fresh
+    ``executor`` and report back under ``self._lock``. Without an executor (a store whose
+    writes are not hedged, :attr:`~dstl.fileio.FileIO.hedged`) each attempt runs on the
+    driving thread, one after another: retried, never hedged, since nothing runs beside an
+    attempt that blocks its driver. Every attempt writes under a fresh
     name from ``new_path``. Invariants: the winner's file is never deleted; every other
     attempt's file is deleted (tolerating "already gone") once both the winner is known and
     that attempt has finished; if every attempt fails, their files are deleted too (nothing
@@ -224,7 +227,7 @@ class HedgedWrite:
         data: bytes | memoryview,
         policy: RetryPolicy,
         clock: Clock,
-        executor: Executor,
+        executor: Executor | None,
     ) -> None:
         self._write = write
         self._delete = delete
@@ -309,7 +312,10 @@ class HedgedWrite:
                 index = len(self._attempts)
                 self._attempts.append(_Attempt(self._new_path(), now))
         if start_new:
-            self._executor.submit(self._attempt, index)
+            if self._executor is None:
+                self._attempt(index)
+            else:
+                self._executor.submit(self._attempt, index)
             return "wait", now, None  # step again at once: maybe a timeout is due
         return "wait", deadline, None
 

@@ -39,7 +39,9 @@ class Uploader:
 
     Thread-safe: any thread may call :meth:`upload` (it blocks until the file is durable
     or the policy gave up); attempts run on an owned pool of named threads
-    (``upload-<name>``), joined by :meth:`close`. The budget is shared by every caller.
+    (``upload-<name>``), joined by :meth:`close`, or on the caller's thread for a store
+    whose writes are not hedged (:attr:`~dstl.fileio.FileIO.hedged`: local disk). The
+    budget is shared by every caller.
     """
 
     def __init__(
@@ -81,7 +83,7 @@ class Uploader:
                 data,
                 self.policy,
                 self._clock,
-                self._pool,
+                self._pool if self.fileio.hedged else None,
             ).run()
         finally:
             self.budget.release(size)

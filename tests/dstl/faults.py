@@ -10,6 +10,9 @@
   transient error (a connection reset mid-upload on a store without atomic PUT)
 - ``"stall"``: set ``stalled``, block until ``release`` is set, then write normally
 
+Its faults are an object store's (a connection reset, a stalled PUT), so its writes are
+hedged like S3's (:attr:`FileIO.hedged`) unless made with ``hedged=False``.
+
 Thread-safe: guarded by ``self._cond``.
 """
 
@@ -28,14 +31,21 @@ STALL_LIMIT_S = 30.0  # a safety net so a broken test cannot hang forever, not a
 class FaultyFileIO(FileIO):
     """A :class:`FileIO` whose writes follow :attr:`plan`."""
 
-    def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, root: str, storage_options: Mapping[str, Any] | None = None, hedged: bool = True
+    ) -> None:
         super().__init__(root, storage_options)
+        self._hedged = hedged
         self._cond = threading.Condition()
         self.plan: list[str] = []
         self.release = threading.Event()
         self.stalled = threading.Event()
         self.writes: list[tuple[str, str]] = []  # (path, action)
         self.deleted: list[str] = []
+
+    @property
+    def hedged(self) -> bool:
+        return self._hedged
 
     def script(self, *actions: str) -> None:
         """Append ``actions`` to the plan."""

@@ -11,6 +11,7 @@ import pytest
 
 from dstl.changelog import ChangelogOptions
 from dstl.errors import ConfigError, StorageError, TransientStorageError
+from dstl.fileio import FileIO
 from dstl.retry import HedgedWrite, InFlightBudget, ManualClock, RetryPolicy
 from tests.dstl.faults import FaultyFileIO
 
@@ -153,6 +154,49 @@ def test_first_success_wins_even_if_it_is_the_slow_one(
     winner = result.result(timeout=10)
     executor.shutdown(wait=True)
     assert [f.path for f in fio.list("seg")] == [winner]
+
+
+def test_without_an_executor_attempts_run_on_the_driving_thread_one_after_another(
+    tmp_path: Path,
+) -> None:
+    """A store whose writes are not hedged (a local disk): each attempt runs on the thread
+    that drives the write, so the write costs no hand-off to a pool thread and back; a
+    transient failure is still retried (after the policy's delay), under a fresh name, and
+    the half-written file of the failed attempt is deleted. A stall is waited out: nothing
+    can run beside it."""
+    fio = FaultyFileIO(str(tmp_path), hedged=False)
+    threads: list[str] = []
+    write_new = fio.write_new
+
+    def recording(path: str, data: bytes | memoryview) -> None:
+        threads.append(threading.current_thread().name)
+        write_new(path, data)
+
+    clock = ManualClock()
+    fio.script("half", "stall", "ok")
+    names = iter(f"seg/{i:04d}" for i in range(100))
+    policy = RetryPolicy(max_attempts=3, base_delay_s=1.0, attempt_timeout_s=5.0)
+    write = HedgedWrite(
+        recording, fio.delete, lambda: next(names), b"payload" * 100, policy, clock, None
+    )
+    result = _run_in_thread(write)
+    assert clock.wait_for_sleeper() == pytest.approx(1.0)  # the retry delay, on this thread
+    clock.advance(1.0)
+    assert fio.stalled.wait(10)
+    clock.advance(10.0)  # past the attempt timeout: no hedge starts (no thread to run it)
+    assert not result.done() and fio.writes[-1] == ("seg/0001", "stall")
+    fio.release.set()
+    assert result.result(timeout=10) == "seg/0001"
+    assert write.attempts == 2
+    assert threads == ["test-hedged-driver", "test-hedged-driver"]
+    assert [f.path.rsplit("/", 1)[1] for f in fio.list("seg")] == ["0001"]
+    assert fio.read("seg/0001") == b"payload" * 100
+
+
+def test_only_an_object_store_hedges_its_writes(tmp_path: Path) -> None:
+    assert not FileIO(str(tmp_path)).hedged
+    assert not FileIO("memory://hedged-test").hedged
+    assert FileIO("s3://bucket/prefix").hedged
 
 
 def test_budget_blocks_until_released_and_never_fails() -> None:

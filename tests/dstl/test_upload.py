@@ -91,3 +91,31 @@ def test_a_materialization_survives_a_transient_write_failure(fio: FaultyFileIO)
         restore_into(restored, fio, [b.checkpoint(2).result()])
         restored.set_current_key("k7")
         assert restored.get_state(count).value() == 7
+
+
+def test_a_local_disk_is_written_on_the_uploading_thread(tmp_path: Path) -> None:
+    """Without hedging (a local disk, :attr:`FileIO.hedged`) no attempt goes to a pool
+    thread: the materializer's and the changelog's writes run on the threads that upload
+    (a hand-off to a pool thread and back cost 2 GIL waits per file beside a busy task)."""
+    from dstl import ChangelogStorage
+
+    fio = FaultyFileIO(str(tmp_path / "store"), hedged=False)
+    threads: list[str] = []
+    write_new = fio.write_new
+
+    def recording(path: str, data: bytes | memoryview) -> None:
+        threads.append(threading.current_thread().name)
+        write_new(path, data)
+
+    fio.write_new = recording  # type: ignore[method-assign]
+    fio.script("transient", "ok")
+    with Uploader(fio, RetryPolicy(max_attempts=3, base_delay_s=0)) as up:
+        assert up.upload("m/state.parquet", b"payload") == "m/state.a1.parquet"
+    assert threads == [threading.current_thread().name] * 2
+    threads.clear()
+    with ChangelogStorage(fio, "job", "w0") as storage:
+        writer = storage.create_writer("a")
+        writer.append(0, "s", 1, b"k", None, b"v")
+        (handle,) = writer.persist(0, 1).result(timeout=10)
+        assert fio.exists(fio.relative(handle.location))
+    assert threads and all(t.startswith(("dstl-upload-", "dstl-preempt-")) for t in threads)
