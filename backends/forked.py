@@ -35,13 +35,22 @@ of its own: when the parent dies, the group is orphaned, and the kernel sends a 
 with a stopped member ``SIGHUP`` (which ends the child) and ``SIGCONT`` (POSIX's rule
 for orphaned process groups), and discards a stop that reaches the child afterwards.
 
+The child can also write the pieces to the store itself (:meth:`ForkedSnapshot.write_pieces`,
+a store on local disk): the parent then reads a small header per piece instead of its
+bytes, and its upload thread has nothing else to do. Beside a busy task thread each of
+that thread's steps waits for the GIL: at 100k keys x 2 states (4 pieces, end-to-end
+worker) the child had sent its last piece 39 ms after the snapshot began (p50), and the
+parent had read them all at 54 ms, written them at 69 ms and finished at 79 ms.
+
 Wire format (private; both ends are this file): the parent writes one little-endian
-int64, the piece size in rows (``-1``: ``None``), then closes its end of the request
-pipe (the child encodes pieces of the default size while it waits, see :func:`_child`).
-The child answers with frames: two little-endian int64 (header length, data
-length), a JSON header, then the data. The header of a piece holds ``name``, ``state``,
-``lo``, ``hi`` and ``rows``; the last frame's header is ``{"end": n}`` (n pieces) or
-``{"error": message}``.
+int64, the piece size in rows (``-1``: ``None``), and, to have the pieces written, a JSON
+object (``root``: the store's URL, ``directory``, ``skip``: ``[name, file_id]`` pairs
+not to write), then closes its end of the request pipe (the child encodes pieces of the
+default size while it waits, see :func:`_child`). The child answers with frames: two
+little-endian int64 (header length, data length), a JSON header, then the data. The
+header of a piece holds ``name``, ``state``, ``lo``, ``hi`` and ``rows``; of a written
+piece also ``file_id``, ``size`` and ``path`` (``null``: skipped), with no data. The last
+frame's header is ``{"end": n}`` (n pieces) or ``{"error": message}``.
 """
 
 from __future__ import annotations
@@ -60,18 +69,22 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from backends.errors import SnapshotProcessError
+from backends.handles import file_id_of
 from backends.heap import HeapKeyedStateBackend, StateSnapshot
 from backends.keygroups import KeyGroupRange
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
 from backends.tables import DEFAULT_PIECE_ROWS, state_files
+from dstl import layout
+from dstl.fileio import FileIO
 from dstl.gil import PAUSE_SIGNAL, forget_paused, pause_during_critical, resume_overdue
+from dstl.integrity import content_hash
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +198,23 @@ def _import_lazy_modules() -> None:
         _lazy_imported = True
 
 
+@dataclass(frozen=True, slots=True)
+class WrittenPiece:
+    """A piece the child wrote to the store (:meth:`ForkedSnapshot.write_pieces`): what
+    :class:`~backends.snapshot.SnapshotFile` says of it, its content's ``file_id``
+    (:func:`~backends.handles.file_id_of`) and size, and its ``path`` in the store
+    (``None``: not written, it was to be skipped)."""
+
+    name: str
+    state: str | None
+    key_group_start: int
+    key_group_end: int
+    rows: int
+    file_id: str
+    size_bytes: int
+    path: str | None
+
+
 @dataclass(slots=True, eq=False, weakref_slot=True)
 class ForkedSnapshot:
     """A heap snapshot held by a forked child process (``pid``), read through pipes.
@@ -222,18 +252,57 @@ class ForkedSnapshot:
 
     def pieces(self, piece_rows: int | None) -> Iterator[SnapshotFile]:
         """The pieces of every state (see :func:`~backends.tables.state_files`), read from
-        the child as it encodes them. Once only. Raises :class:`SnapshotProcessError` if
-        the child fails, dies, or sends nothing for :data:`READ_TIMEOUT_S`."""
+        the child as it encodes them. Once only (this or :meth:`write_pieces`). Raises
+        :class:`SnapshotProcessError` if the child fails, dies, or sends nothing for
+        :data:`READ_TIMEOUT_S`."""
+        self._request(piece_rows, b"")
+        for head, data in self._frames():
+            yield SnapshotFile(
+                head["name"], head["state"], head["lo"], head["hi"], head["rows"], data
+            )
+
+    def write_pieces(
+        self,
+        piece_rows: int | None,
+        fileio: FileIO,
+        directory: str,
+        skip: Iterable[tuple[str, str]],
+    ) -> Iterator[WrittenPiece]:
+        """The child writes :meth:`pieces` to ``fileio`` (a local disk: it is a fork, with
+        no thread of an S3 client), each at ``layout.state_file_path(directory, name)``,
+        but a piece whose ``(name, file_id)`` is in ``skip`` (an identical file exists);
+        yields each as it is written (or skipped). Once only (this or :meth:`pieces`).
+
+        Every yielded path is a file written durably. A write that fails fails the child
+        (raised here as :class:`SnapshotProcessError`); a file the child wrote but had not
+        reported when it failed or died is left for the orphan sweep, like a write whose
+        outcome is unknown."""
+        if fileio.scheme != "file":
+            raise ValueError(f"a forked snapshot writes to a local disk only, not {fileio!r}")
+        spec = {"root": fileio.root_url, "directory": directory, "skip": sorted(skip)}
+        self._request(piece_rows, json.dumps(spec).encode())
+        for head, _ in self._frames():
+            yield WrittenPiece(
+                head["name"], head["state"], head["lo"], head["hi"], head["rows"],
+                head["file_id"], head["size"], head["path"],
+            )  # fmt: skip
+
+    def _request(self, piece_rows: int | None, spec: bytes) -> None:
         if not self._finalizer.alive:
             raise SnapshotProcessError("the forked snapshot was released")
         self._finalizer.detach()  # from here on, the request end is closed below
         self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, [self._pieces_fd])
         try:
-            os.write(self._request_fd, _REQUEST.pack(-1 if piece_rows is None else piece_rows))
+            request = _REQUEST.pack(-1 if piece_rows is None else piece_rows) + spec
+            view = memoryview(request)
+            while view:
+                view = view[os.write(self._request_fd, view) :]
         except BrokenPipeError:
             raise SnapshotProcessError("the snapshot process ended before the request") from None
         finally:
             os.close(self._request_fd)
+
+    def _frames(self) -> Iterator[tuple[dict[str, Any], bytes]]:
         fd = self._pieces_fd
         count = 0
         while True:
@@ -246,10 +315,7 @@ class ForkedSnapshot:
                     raise SnapshotProcessError(f"expected {head['end']} pieces, got {count}")
                 return
             count += 1
-            yield SnapshotFile(
-                head["name"], head["state"], head["lo"], head["hi"], head["rows"],
-                _read(fd, data_len),
-            )  # fmt: skip
+            yield head, _read(fd, data_len)
 
     def release(self) -> None:
         """Close the pipes, stop the child if it still runs, reap it. Idempotent."""
@@ -352,7 +418,8 @@ def _child(
         raw = _read_request(request_fd)
         if len(raw) < _REQUEST.size:  # the parent went away or released the snapshot
             os._exit(0)
-        (piece_rows,) = _REQUEST.unpack(raw)
+        (piece_rows,) = _REQUEST.unpack_from(raw)
+        spec = json.loads(raw[_REQUEST.size :]) if len(raw) > _REQUEST.size else None
         wanted = None if piece_rows < 0 else piece_rows
         if wanted != DEFAULT_PIECE_ROWS:  # another size: encode anew
             ahead, encoded = [], None
@@ -362,13 +429,17 @@ def _child(
             problem = exported or encoded
             if problem is not None:
                 raise problem
+            write = _writer(spec) if spec is not None else None
             for f in itertools.chain(ahead, files):
                 assert f.data is not None
                 head = {
                     "name": f.name, "state": f.state, "lo": f.key_group_start,
                     "hi": f.key_group_end, "rows": f.rows,
                 }  # fmt: skip
-                _send(out_fd, head, f.data)
+                if write is None:
+                    _send(out_fd, head, f.data)
+                else:
+                    _send(out_fd, {**head, **write(f.name, f.data)}, b"")
                 count += 1
         except Exception as exc:  # reported to the parent, which raises it
             _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
@@ -399,13 +470,29 @@ def _readable(fd: int) -> bool:  # pragma: no cover - the child
 
 
 def _read_request(fd: int) -> bytes:  # pragma: no cover - the child
+    """The whole request: the parent closes its end once it is written."""
     data = b""
-    while len(data) < _REQUEST.size:
-        chunk = os.read(fd, _REQUEST.size - len(data))
-        if not chunk:
-            break
+    while chunk := os.read(fd, 1 << 16):
         data += chunk
     return data
+
+
+def _writer(spec: dict[str, Any]) -> Any:  # pragma: no cover - the child
+    """What writes a piece for :meth:`ForkedSnapshot.write_pieces`: (name, bytes) -> the
+    header fields it adds."""
+    fileio = FileIO(spec["root"])
+    directory: str = spec["directory"]
+    skip = {(name, file_id) for name, file_id in spec["skip"]}
+
+    def write(name: str, data: bytes) -> dict[str, Any]:
+        file_id = file_id_of(content_hash(data))
+        path = None
+        if (name, file_id) not in skip:
+            path = layout.state_file_path(directory, name)
+            fileio.write_new(path, data)
+        return {"file_id": file_id, "size": len(data), "path": path}
+
+    return write
 
 
 def _send(fd: int, head: dict[str, Any], data: bytes) -> None:  # pragma: no cover

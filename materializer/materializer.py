@@ -54,7 +54,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.forked import ForkedSnapshot
+from backends.forked import ForkedSnapshot, WrittenPiece
 from backends.handles import MaterializationHandle, StateFileHandle, extent, file_id_of
 from backends.heap import StateSnapshot
 from backends.snapshot import MaterializationSnapshot, SnapshotFile
@@ -301,13 +301,17 @@ class Materializer:
         new_bytes = 0
         # Writes run on a few threads (a local write waits for fsync, an S3 PUT for the
         # network; both release the GIL) while this thread encodes the next piece; each is
-        # retried and hedged by the uploader, which returns the path that holds it.
+        # retried and hedged by the uploader, which returns the path that holds it. A
+        # forked child writes to a local disk itself (see _pieces).
         with ThreadPoolExecutor(_WRITERS, thread_name_prefix="materialize-write") as pool:
             try:
                 if snapshot.sqn is None:
                     raise MaterializationError("a materialization snapshot needs a changelog sqn")
-                for f in snapshot_files(snapshot, self.options.heap_piece_rows):
-                    data, file_id = _content(f)
+                for f in self._pieces(snapshot, directory, shareable):
+                    if isinstance(f, WrittenPiece):
+                        data, file_id = b"", f.file_id
+                    else:
+                        data, file_id = _content(f)
                     hit = shareable.get(share_key(f.name, file_id))
                     if hit is not None:
                         slots.append(
@@ -321,18 +325,25 @@ class Materializer:
                             )
                         )
                         continue
-                    if len(writes) >= _IN_FLIGHT:  # bounded memory: wait for an older write
-                        writes[-_IN_FLIGHT].result()
-                    fut = pool.submit(
-                        self._upload_file,
-                        layout.state_file_path(directory, f.name),
-                        data,
-                        file_id,
-                        f,
-                    )
+                    if isinstance(f, WrittenPiece):
+                        if f.path is None:
+                            raise MaterializationError(f"piece {f.name!r} skipped, not shared")
+                        fut: Future[StateFileHandle] = Future()
+                        fut.set_result(_handle(f.path, f.size_bytes, file_id, f))
+                        new_bytes += f.size_bytes
+                    else:
+                        if len(writes) >= _IN_FLIGHT:  # bounded memory: wait for older writes
+                            writes[-_IN_FLIGHT].result()
+                        fut = pool.submit(
+                            self._upload_file,
+                            layout.state_file_path(directory, f.name),
+                            data,
+                            file_id,
+                            f,
+                        )
+                        new_bytes += len(data)
                     writes.append(fut)
                     slots.append(fut)
-                    new_bytes += len(data)
                 for fut in writes:
                     fut.result()
             except Exception as exc:
@@ -414,17 +425,27 @@ class Materializer:
         self, path: str, data: bytes, file_id: str, f: SnapshotFile
     ) -> StateFileHandle:
         """Write one new file (retried, hedged, under the byte budget); its handle."""
-        location = self.uploader.upload(path, data)
-        return StateFileHandle(
-            location=location,
-            size_bytes=len(data),
-            file_id=file_id,
-            state=f.state,
-            key_group_start=f.key_group_start,
-            key_group_end=f.key_group_end,
-            rows=f.rows,
-            name=f.name,
-        )
+        return _handle(self.uploader.upload(path, data), len(data), file_id, f)
+
+    def _pieces(
+        self,
+        snapshot: MaterializationSnapshot,
+        directory: str,
+        shareable: dict[tuple[str, str], StateFileHandle],
+    ) -> Iterator[SnapshotFile | WrittenPiece]:
+        """The files of ``snapshot`` to upload (:func:`snapshot_files`), or, for a forked
+        snapshot and a store on local disk, the pieces its child writes there itself
+        (:meth:`~backends.forked.ForkedSnapshot.write_pieces`; not those it may share):
+        then this thread only reads their headers. Each step of this thread waits for
+        a busy task thread's GIL. End-to-end worker, heap uniform, alternated pairs, this
+        thread writing against the child: upload p50 55-57 ms against 42-46 ms at 100k
+        keys (the largest full checkpoint 1.16-1.22 MB against 1.05-1.12 MB), 0.40-0.42 s
+        against 0.36-0.38 s at 1M keys (records/s 483-500k against 520-528k)."""
+        fileio = self.uploader.fileio
+        if isinstance(snapshot, ForkedSnapshot) and fileio.scheme == "file" and not fileio.hedged:
+            rows = self.options.heap_piece_rows
+            return snapshot.write_pieces(rows, fileio, directory, shareable.keys())
+        return snapshot_files(snapshot, self.options.heap_piece_rows)
 
     @property
     def uploader(self) -> Uploader:
@@ -463,6 +484,22 @@ def snapshot_files(
     if isinstance(snapshot, ForkedSnapshot):
         return snapshot.pieces(piece_rows)
     return snapshot.files()
+
+
+def _handle(
+    location: str, size: int, file_id: str, f: SnapshotFile | WrittenPiece
+) -> StateFileHandle:
+    """The handle of the new file of ``f`` written at ``location``."""
+    return StateFileHandle(
+        location=location,
+        size_bytes=size,
+        file_id=file_id,
+        state=f.state,
+        key_group_start=f.key_group_start,
+        key_group_end=f.key_group_end,
+        rows=f.rows,
+        name=f.name,
+    )
 
 
 def _content(f: SnapshotFile) -> tuple[bytes, str]:

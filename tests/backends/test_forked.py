@@ -433,3 +433,59 @@ def test_a_stopped_child_ends_when_its_parent_is_killed() -> None:
         with contextlib.suppress(ProcessLookupError):  # not left behind when it failed
             signal.pidfd_send_signal(handle, signal.SIGKILL)
         os.close(handle)
+
+
+def test_the_child_writes_the_pieces_itself_but_those_it_may_skip(
+    reaped: list[int], tmp_path: Path
+) -> None:
+    """``write_pieces``: the files are the pieces the child would have sent, byte for byte,
+    at the materialization's paths; a piece whose (name, file id) is to be skipped is
+    reported, not written."""
+    from backends.handles import file_id_of
+    from dstl import FileIO
+    from dstl.integrity import content_hash
+
+    b = _backend(3000)
+    want = _pieces(state_files(b.snapshot(7), PIECE_ROWS))
+    skipped = (want[1][0], file_id_of(content_hash(want[1][5])))
+    snap = fork_snapshot(b, 7)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    _mutate(b, 3000)  # after the fork: not in the files
+    fileio = FileIO(str(tmp_path / "store"))
+    got = list(snap.write_pieces(PIECE_ROWS, fileio, "m/0001", [skipped, ("other", "x")]))
+    snap.release()
+    assert [(w.name, w.state, w.key_group_start, w.key_group_end, w.rows) for w in got] == [
+        p[:5] for p in want
+    ]
+    for w, p in zip(got, want, strict=True):
+        assert (w.file_id, w.size_bytes) == (file_id_of(content_hash(p[5])), len(p[5]))
+        if (w.name, w.file_id) == skipped:
+            assert w.path is None and not fileio.exists(f"m/0001/{w.name}")
+        else:
+            assert w.path == f"m/0001/{w.name}" and fileio.read(w.path) == p[5]
+    assert len(fileio.list("m/0001")) == len(want) - 1
+
+
+def test_a_write_that_fails_in_the_child_fails_the_read(reaped: list[int], tmp_path: Path) -> None:
+    from dstl import FileIO
+
+    fileio = FileIO(str(tmp_path / "store"))
+    fileio.write_new("m", b"a file where the directory should be")
+    snap = fork_snapshot(_backend(500), 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    with pytest.raises(SnapshotProcessError, match=r"the snapshot process failed: .*m/0001"):
+        list(snap.write_pieces(PIECE_ROWS, fileio, "m/0001", []))
+    snap.release()
+
+
+def test_the_child_writes_to_a_local_disk_only(reaped: list[int]) -> None:
+    from dstl import FileIO
+
+    snap = fork_snapshot(_backend(500), 1)
+    assert isinstance(snap, ForkedSnapshot)
+    reaped.append(snap.pid)
+    with pytest.raises(ValueError, match="local disk only"):
+        next(snap.write_pieces(PIECE_ROWS, FileIO("memory://forked"), "m", []))
+    snap.release()

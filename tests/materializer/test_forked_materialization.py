@@ -137,13 +137,13 @@ def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
     from dstl.gil import GIL_SLICE_S
 
     seen: list[tuple[str, float]] = []
-    real = materializer_mod.snapshot_files
+    real = materializer_mod.Materializer._pieces
 
-    def spy(snapshot: Any, piece_rows: int | None) -> Any:
+    def spy(self: Any, snapshot: Any, *args: Any) -> Any:
         seen.append((type(snapshot).__name__, sys.getswitchinterval()))
-        return real(snapshot, piece_rows)
+        return real(self, snapshot, *args)
 
-    monkeypatch.setattr(materializer_mod, "snapshot_files", spy)
+    monkeypatch.setattr(materializer_mod.Materializer, "_pieces", spy)
     fileio, st = storage
     for keys, large in ((1000, False), (KEYS, False), (KEYS, True)):
         if large:
@@ -161,3 +161,39 @@ def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
         ("ForkedSnapshot", GIL_SLICE_S),
         ("ForkedSnapshot", own),
     ]
+
+
+def test_on_a_local_disk_the_child_writes_the_files_an_object_store_gets_them_uploaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked child writes the new files to a local disk itself: the materializer's
+    uploader writes none (the upload thread only reads the child's headers). To an object
+    store (here the fault-injecting double, whose writes are hedged like S3's) the upload
+    thread writes them, from the bytes the child sends. The same state either way."""
+    from dstl.upload import Uploader
+    from tests.dstl.faults import FaultyFileIO
+
+    uploaded: list[str] = []
+    real = Uploader.upload
+
+    def spy(self: Uploader, path: str, data: bytes | memoryview) -> str:
+        uploaded.append(path)
+        return real(self, path, data)
+
+    monkeypatch.setattr(Uploader, "upload", spy)
+    restored = []
+    for fileio in (FileIO(str(tmp_path / "local")), FaultyFileIO(str(tmp_path / "s3-like"))):
+        with ChangelogStorage(fileio, JOB, "w0") as st:
+            b = ChangelogKeyedStateBackend(_heap(), st.create_writer("op-0"))
+            _write(b, range(KEYS), 0)
+            mat = Materializer(b, fileio, JOB, "op", 0)
+            mat_id, snap = mat.snapshot()
+            assert isinstance(snap, ForkedSnapshot)
+            handle = mat.upload(mat_id, snap)
+            mat.close()
+        assert mat.last_stats is not None and mat.last_stats.files_new == len(handle.state_files)
+        assert len(uploaded) == (mat.last_stats.files_new if fileio.hedged else 0)
+        uploaded.clear()
+        only = KeyedStateHandle(b.backend_id, 0, MAX_PAR, INT64.name, MAX_PAR, (handle,), ())
+        restored.append(_restored(fileio, only))
+    assert restored[0] == restored[1] == snapshot_entries(b.inner)
