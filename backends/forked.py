@@ -17,8 +17,9 @@ snapshot (a heap store copies its dicts and columns:
 :meth:`~backends.heap.HeapKeyedStateBackend.column_snapshot`). A fork that fails (no
 memory for the page tables, a process limit) falls back to the copy.
 
-The child (:func:`_child`) runs nothing but this module's loop and
-:func:`~backends.tables.state_files`, with every module it needs imported before the
+The child (:func:`_child`) runs nothing but this module's loop,
+:func:`~backends.tables.state_files` and, when it writes the pieces, a local disk's
+:meth:`~dstl.fileio.FileIO.write_new` (one C call), with every module it needs imported before the
 fork, on the system allocator (pyarrow's own may hold locks of threads that do not exist
 in the child), with the garbage collector off (a collection would touch, and copy, the
 whole heap), for a large state at a lower priority than the task (:data:`CHILD_NICE`,
