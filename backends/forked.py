@@ -70,7 +70,7 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -478,7 +478,9 @@ def _read_request(fd: int) -> bytes:  # pragma: no cover - the child
     return data
 
 
-def _writer(spec: dict[str, Any]) -> Any:  # pragma: no cover - the child
+def _writer(
+    spec: dict[str, Any],
+) -> Callable[[str, bytes], dict[str, Any]]:  # pragma: no cover - the child
     """What writes a piece for :meth:`ForkedSnapshot.write_pieces`: (name, bytes) -> the
     header fields it adds."""
     fileio = FileIO(spec["root"])
