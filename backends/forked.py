@@ -11,9 +11,11 @@ own interpreter on another core (columnar states it exports itself, from its cop
 :meth:`~backends.heap.HeapKeyedStateBackend.frozen_columns`); the upload thread of the
 parent only reads the finished pieces from a pipe and uploads them.
 
-:func:`materialization_snapshot` picks the way: a fork for a heap store of at least
-:data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, else the store's own
-snapshot (a heap store copies its dicts and columns:
+:func:`materialization_snapshot` picks the way: for a heap store of at least
+:data:`FORK_MIN_ENTRIES` entries on a platform with ``fork()``, the long-lived helper of
+:mod:`backends.snapshot_helper` when every state is columnar (a copy of three flat
+arrays per state into shared memory, and nothing shared afterwards), else a fork; below
+that, the store's own snapshot (a heap store copies its dicts and columns:
 :meth:`~backends.heap.HeapKeyedStateBackend.column_snapshot`). A fork that fails (no
 memory for the page tables, a process limit) falls back to the copy.
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import gc
 import itertools
@@ -124,11 +127,18 @@ _POLL_SLICE_S = 0.02  # how often a reader waiting for the child checks its stop
 
 
 def materialization_snapshot(backend: Any, sqn: int | None) -> MaterializationSnapshot:
-    """The snapshot a materialization of ``backend`` uploads (task thread): forked for a
-    heap store (see the module docstring), the store's own snapshot otherwise."""
+    """The snapshot a materialization of ``backend`` uploads (task thread): served by the
+    helper or forked for a heap store (see the module docstring), the store's own
+    snapshot otherwise."""
     if isinstance(backend, HeapKeyedStateBackend):
-        if hasattr(os, "fork") and backend.entry_count() >= FORK_MIN_ENTRIES:
-            return fork_snapshot(backend, sqn)
+        if hasattr(os, "fork"):
+            from backends.snapshot_helper import helper_snapshot  # it imports this module
+
+            served = helper_snapshot(backend, sqn)
+            if served is not None:
+                return served
+            if backend.entry_count() >= FORK_MIN_ENTRIES:
+                return fork_snapshot(backend, sqn)
         return backend.column_snapshot(sqn)
     snapshot: MaterializationSnapshot = backend.snapshot(sqn)
     return snapshot
@@ -235,12 +245,17 @@ class ForkedSnapshot:
     background: bool = False
     """The child runs below the task's priority (a state of :data:`NICE_MIN_ENTRIES`
     entries or more): its upload should not hurry the task either."""
+    end_job: Callable[[], None] | None = None
+    """Set when ``pid`` is a long-lived helper that serves this snapshot among others
+    (:mod:`backends.snapshot_helper`): :meth:`release` then runs it instead of ending
+    the process."""
     _finalizer: weakref.finalize = field(init=False)
 
     def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(
-            self, _reap, os.getpid(), self.pid, [self._request_fd, self._pieces_fd]
-        )
+        self._finalize([self._request_fd, self._pieces_fd])
+
+    def _finalize(self, fds: list[int]) -> None:
+        self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, fds, self.end_job)
 
     @property
     def kind(self) -> str:
@@ -292,7 +307,7 @@ class ForkedSnapshot:
         if not self._finalizer.alive:
             raise SnapshotProcessError("the forked snapshot was released")
         self._finalizer.detach()  # from here on, the request end is closed below
-        self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, [self._pieces_fd])
+        self._finalize([self._pieces_fd])
         try:
             request = _REQUEST.pack(-1 if piece_rows is None else piece_rows) + spec
             view = memoryview(request)
@@ -319,17 +334,21 @@ class ForkedSnapshot:
             yield head, _read(fd, data_len)
 
     def release(self) -> None:
-        """Close the pipes, stop the child if it still runs, reap it. Idempotent."""
+        """Close the pipes, stop the child if it still runs, reap it (a helper's job:
+        :attr:`end_job`). Idempotent."""
         self._finalizer()
 
 
-def _reap(owner: int, pid: int, fds: list[int]) -> None:
+def _reap(owner: int, pid: int, fds: list[int], end_job: Callable[[], None] | None) -> None:
     if os.getpid() != owner:  # a fork of the owner (at its exit): neither is its own
         return
-    forget_paused(pid)
-    for fd in fds:
+    for fd in fds:  # a helper that still works on it sees a broken pipe and gives it up
         with contextlib.suppress(OSError):
             os.close(fd)
+    if end_job is not None:
+        end_job()
+        return
+    forget_paused(pid)
     with contextlib.suppress(ChildProcessError):
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == 0:  # still encoding (released early): nobody reads it any more
@@ -381,10 +400,9 @@ def _read(fd: int, n: int) -> bytes:
 def _child(
     backend: HeapKeyedStateBackend, view: StateSnapshot, request_fd: int, out_fd: int
 ) -> None:  # pragma: no cover
-    """The forked child: encode ``view``'s pieces (and the columnar states of its copy
-    of ``backend``, exported here: the parent pays no copy) as requested, then
-    ``os._exit``. Pieces of :data:`~backends.tables.DEFAULT_PIECE_ROWS` are encoded
-    ahead, before the request; a request for another size encodes anew.
+    """The forked child: serve one request (:func:`serve`) for ``view``, with the columnar
+    states of its copy of ``backend`` exported here (the parent pays no copy), then
+    ``os._exit``.
 
     Coverage cannot see it (the child never returns); tests check it by its output.
     """
@@ -396,59 +414,83 @@ def _child(
             signal.signal(sig, signal.SIG_DFL)
         _close_inherited(request_fd, out_fd)
         pa.set_memory_pool(pa.system_memory_pool())
-        # Encode ahead, in pieces of the default size, until the parent asks: it asks
-        # once its upload thread runs, 11 ms after the fork at 100k keys (p50; 30 ms at
-        # p90), and this child waited idle for it.
-        ahead: list[SnapshotFile] = []
-        files: Iterator[SnapshotFile] = iter(())
-        exported: Exception | None = None  # failures are reported once asked
-        encoded: Exception | None = None
-        try:
-            view = dataclasses.replace(view, columns=backend.frozen_columns())
-        except Exception as exc:
-            exported = exc
-        else:
-            try:
-                files = state_files(view, DEFAULT_PIECE_ROWS)
-                for f in files:
-                    ahead.append(f)
-                    if _readable(request_fd):
-                        break
-            except Exception as exc:
-                encoded = exc
-        raw = _read_request(request_fd)
-        if len(raw) < _REQUEST.size:  # the parent went away or released the snapshot
-            os._exit(0)
-        (piece_rows,) = _REQUEST.unpack_from(raw)
-        spec = json.loads(raw[_REQUEST.size :]) if len(raw) > _REQUEST.size else None
-        wanted = None if piece_rows < 0 else piece_rows
-        if wanted != DEFAULT_PIECE_ROWS:  # another size: encode anew
-            ahead, encoded = [], None
-            files = state_files(view, wanted)
-        count = 0
-        try:
-            problem = exported or encoded
-            if problem is not None:
-                raise problem
-            write = _writer(spec) if spec is not None else None
-            for f in itertools.chain(ahead, files):
-                assert f.data is not None
-                head = {
-                    "name": f.name, "state": f.state, "lo": f.key_group_start,
-                    "hi": f.key_group_end, "rows": f.rows,
-                }  # fmt: skip
-                if write is None:
-                    _send(out_fd, head, f.data)
-                else:
-                    _send(out_fd, {**head, **write(f.name, f.data)}, b"")
-                count += 1
-        except Exception as exc:  # reported to the parent, which raises it
-            _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
-        else:
-            _send(out_fd, {"end": count}, b"")
+        serve(
+            lambda: dataclasses.replace(view, columns=backend.frozen_columns()), request_fd, out_fd
+        )
         code = 0
     finally:
         os._exit(code)
+
+
+def serve(
+    make_view: Callable[[], StateSnapshot], request_fd: int, out_fd: int
+) -> None:  # pragma: no cover - a snapshot process
+    """One snapshot's side of the wire format (see the module docstring), in a snapshot
+    process (a forked child, or :mod:`backends.snapshot_helper`'s helper): encode the
+    pieces of ``make_view()`` as requested on ``request_fd`` and send them on
+    ``out_fd``. Pieces of :data:`~backends.tables.DEFAULT_PIECE_ROWS` are encoded
+    ahead, before the request; a request for another size encodes anew. A failure to
+    build the view or to encode is sent as the error frame once the request came; an
+    end of file instead of a request (the parent went away, or released the snapshot)
+    returns at once. Raises ``OSError`` (a broken pipe) if the parent stops reading.
+    """
+    # Encode ahead, in pieces of the default size, until the parent asks: it asks once
+    # its upload thread runs, 11 ms after the fork at 100k keys (p50; 30 ms at p90), and
+    # the child waited idle for it.
+    ahead: list[SnapshotFile] = []
+    files: Iterator[SnapshotFile] = iter(())
+    view: StateSnapshot | None = None
+    exported: Exception | None = None  # failures are reported once asked
+    encoded: Exception | None = None
+    try:
+        view = make_view()
+    except Exception as exc:
+        exported = exc
+    else:
+        try:
+            files = state_files(view, DEFAULT_PIECE_ROWS)
+            for f in files:
+                ahead.append(f)
+                if _readable(request_fd):
+                    break
+        except Exception as exc:
+            encoded = exc
+    raw = _read_request(request_fd)
+    if len(raw) < _REQUEST.size:  # the parent went away or released the snapshot
+        return
+    (piece_rows,) = _REQUEST.unpack_from(raw)
+    spec = json.loads(raw[_REQUEST.size :]) if len(raw) > _REQUEST.size else None
+    wanted = None if piece_rows < 0 else piece_rows
+    count = 0
+    try:
+        if exported is not None:
+            raise exported
+        assert view is not None
+        if wanted != DEFAULT_PIECE_ROWS:  # another size: encode anew
+            ahead, encoded = [], None
+            files = state_files(view, wanted)
+        if encoded is not None:
+            raise encoded
+        write = _writer(spec) if spec is not None else None
+        for f in itertools.chain(ahead, files):
+            assert f.data is not None
+            head = {
+                "name": f.name, "state": f.state, "lo": f.key_group_start,
+                "hi": f.key_group_end, "rows": f.rows,
+            }  # fmt: skip
+            if write is None:
+                _send(out_fd, head, f.data)
+            else:
+                _send(out_fd, {**head, **write(f.name, f.data)}, b"")
+            count += 1
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:  # nobody reads any more
+            raise
+        _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
+    except Exception as exc:  # reported to the parent, which raises it
+        _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
+    else:
+        _send(out_fd, {"end": count}, b"")
 
 
 def _close_inherited(*keep: int) -> None:  # pragma: no cover - the child

@@ -298,6 +298,7 @@ class HeapKeyedStateBackend(KeyContext):
         "key_group_range",
         "key_serializer",
         "max_parallelism",
+        "snapshot_region",
     )
 
     def __init__(
@@ -320,6 +321,9 @@ class HeapKeyedStateBackend(KeyContext):
         self._states: dict[str, Any] = {}
         self._columns: dict[str, ColumnStore] = {}
         self._key_columns: dict[str, _KeyColumn] = {}
+        self.snapshot_region: Any = None
+        """What :mod:`backends.snapshot_helper` keeps for this store's snapshots (a shared
+        memory region), None until its first; dropped by :meth:`close`."""
 
     # -- keys -------------------------------------------------------------------------
     def set_current_key(self, key: Any) -> None:
@@ -503,6 +507,17 @@ class HeapKeyedStateBackend(KeyContext):
             out[name] = ColumnSnapshot(kind, used, live, kgs, vals, [], kc, ikeys)
         return out
 
+    def only_columns(self) -> dict[str, tuple[str, ColumnStore]] | None:
+        """Every state's :class:`ColumnStore` and kind, by name, if the whole state is
+        columnar with int64 keys (the key serializer is int64, every state a
+        :class:`ColumnStore`), else None. Task thread (the stores are the live ones)."""
+        if self.key_serializer.name != "int64" or len(self._columns) != len(self._metas):
+            return None
+        return {
+            name: (COLUMN_KINDS[self._metas[name].raw_value_ser().name], store)
+            for name, store in self._columns.items()
+        }
+
     def unshare_columns(self) -> None:
         """Right after a fork (task thread): move the columnar states' value arrays, which
         the child shares now, to fresh memory (``ColumnStore.unshare``: a populated
@@ -635,4 +650,5 @@ class HeapKeyedStateBackend(KeyContext):
                     d[uk] = v
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Drop :attr:`snapshot_region` (freed once no snapshot uses it)."""
+        self.snapshot_region = None

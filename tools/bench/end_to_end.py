@@ -229,7 +229,8 @@ def _size_breakdown(cp: Any) -> dict[str, int]:
 
 def _usage() -> dict[str, float]:
     """CPU seconds and minor page faults so far of this process and of its reaped
-    children (the forked snapshots: the fork path reaps each)."""
+    children (the forked snapshots: the fork path reaps each; the snapshot helper of
+    :mod:`backends.snapshot_helper` only once it has ended)."""
     me, kids = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
