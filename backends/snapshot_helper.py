@@ -29,9 +29,10 @@ is (:func:`~dstl.gil.pause_during_critical`, for its whole life).
 
 The helper ends when its parent closes its socket or dies: its next read of the socket
 returns end of file, or its next write to a snapshot's pipe fails. A stopped helper
-never reads: it leads a process group of its own, in its parent's session, so when the
-parent dies the kernel sends the orphaned group ``SIGHUP`` (which ends it) and
-``SIGCONT``. A helper that dies is replaced at the next snapshot (at most
+never reads: the kernel kills it when the parent dies (``PR_SET_PDEATHSIG``, see
+:func:`_die_with_parent`; it is started by a thread of its own, :class:`_Starter`). It
+leads a process group of its own, in its parent's session (the rule of
+:data:`~dstl.gil.PAUSE_SIGNAL`). A helper that dies is replaced at the next snapshot (at most
 :data:`MAX_STARTS` times a process); a snapshot it was serving fails as a forked child's
 does (:class:`~backends.errors.SnapshotProcessError`).
 
@@ -48,17 +49,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import itertools
 import json
 import logging
 import mmap
 import os
+import queue
 import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 from backends.forked import (
@@ -71,7 +76,7 @@ from backends.heap import ColumnSnapshot, HeapKeyedStateBackend, StateSnapshot, 
 from backends.keygroups import KeyGroupRange
 from backends.serializers import serializer_for
 from backends.state import StateMeta
-from dstl.gil import forget_paused, pause_during_critical
+from dstl.gil import PAUSE_SIGNAL, forget_paused, pause_during_critical
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,7 @@ CLOSE_WAIT_S = 2.0
 it ends at its next read of the socket, or at its next write to a job's pipe, but a job
 whose snapshot is still open waits for its request."""
 
+_PR_SET_PDEATHSIG = 1
 _ALIGN = 64
 _MIN_REGION = 1 << 20
 _MAX_MESSAGE = 1 << 20
@@ -101,9 +107,10 @@ class SnapshotHelper:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str))
+        args = ["-m", "backends.snapshot_helper", str(theirs.fileno()), str(os.getpid())]
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "backends.snapshot_helper", str(theirs.fileno())],
+                [sys.executable, *args],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -241,12 +248,48 @@ def running_helper(start: bool = True) -> SnapshotHelper | None:
         if _helper is None and start and _starts < MAX_STARTS and hasattr(os, "memfd_create"):
             _starts += 1
             try:
-                _helper = SnapshotHelper()
+                _helper = _Starter.of_this_process().start()
             except OSError as exc:
                 log.warning("snapshot helper: cannot start (%s); forking instead", exc)
             else:
                 atexit.register(close_helper)  # reaped, so that its CPU time is counted
         return _helper
+
+
+class _Starter:
+    """The thread that starts the helpers of this process, and lives as long as it: the
+    helper asks the kernel to kill it when the thread that started it ends
+    (``PR_SET_PDEATHSIG`` names a thread, not a process), and a task thread may end
+    before its process does."""
+
+    _instance: _Starter | None = None
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self._requests: queue.SimpleQueue[Future[SnapshotHelper]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="snapshot-helper-starter", daemon=True).start()
+
+    @classmethod
+    def of_this_process(cls) -> _Starter:
+        """This process's starter (made on first use; a fork makes its own). Under
+        ``_module_lock``."""
+        if cls._instance is None or cls._instance.owner != os.getpid():
+            cls._instance = cls()
+        return cls._instance
+
+    def start(self) -> SnapshotHelper:
+        """A new helper, started on this thread (waits for it)."""
+        started: Future[SnapshotHelper] = Future()
+        self._requests.put(started)
+        return started.result()
+
+    def _run(self) -> None:
+        while True:
+            started = self._requests.get()
+            try:
+                started.set_result(SnapshotHelper())
+            except BaseException as exc:
+                started.set_exception(exc)
 
 
 def close_helper() -> None:
@@ -352,6 +395,9 @@ def _free_region(region_id: int, mapped: mmap.mmap, fd: int) -> None:
 # -- the helper ----------------------------------------------------------------------------
 def main(argv: list[str]) -> None:  # pragma: no cover - the helper process
     """The helper: serve jobs from the socket ``argv[1]`` until its end of file."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, PAUSE_SIGNAL):
+        signal.signal(sig, signal.SIG_DFL)  # a parent under nohup ignores SIGHUP: not us
+    _die_with_parent(int(argv[2]))
     sock = socket.socket(fileno=int(argv[1]))
     _import_lazy_modules()
     maps: dict[int, tuple[int, mmap.mmap]] = {}
@@ -377,6 +423,22 @@ def main(argv: list[str]) -> None:  # pragma: no cover - the helper process
         worker = threading.Thread(target=_run, args=(job, known[1], req_fd, out_fd))
         worker.start()
         worker.join()
+
+
+def _die_with_parent(parent: int) -> None:  # pragma: no cover - the helper process
+    """Have the kernel kill this process when the thread that started it ends, stopped or
+    not (``PR_SET_PDEATHSIG``); exit now if the parent is gone already.
+
+    A stopped process never reads its end of file, and the orphaned-group rule that
+    continues a forked child does not cover the helper: its threads stop one by one, and
+    a parent that dies before the last one has stopped leaves a group with no stopped
+    process yet, so the kernel sends nothing, and the helper stops for good afterwards
+    (fresh-clone CI, once, with the suite's other processes running beside it).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def _run(

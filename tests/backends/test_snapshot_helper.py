@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,35 @@ def test_a_helper_that_dies_fails_its_snapshot_and_is_replaced(helper: SnapshotH
     snap.release()
 
 
+def test_the_helper_outlives_the_thread_that_asked_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel kills the helper when the thread that started it ends: a task thread
+    that asks for it must not be that thread."""
+    monkeypatch.setattr(forked_mod, "FORK_MIN_ENTRIES", KEYS)
+    monkeypatch.setattr(helper_mod, "_starts", 0)
+    helper_mod.close_helper()
+    asked: list[SnapshotHelper | None] = []
+
+    def task() -> None:
+        asked.append(running_helper())
+        assert asked[0] is not None and asked[0].wait_ready()  # it watches its parent now
+
+    thread = threading.Thread(target=task)
+    thread.start()
+    thread.join()
+    started = asked[0]
+    try:
+        assert started is not None and started.ready()
+        b = _backend(KEYS + 100)
+        want = _want(b)
+        snap = _served(b)
+        assert snap.pid == started.pid and _pieces(snap.pieces(PIECE_ROWS)) == want
+        snap.release()
+    finally:
+        helper_mod.close_helper()
+
+
 def test_the_helper_is_stopped_during_a_critical_section(helper: SnapshotHelper) -> None:
     token = gil.open_critical(max_wait_s=60, owner=None)
     try:
@@ -269,12 +299,14 @@ def test_the_helper_is_stopped_during_a_critical_section(helper: SnapshotHelper)
     continued(helper.pid)
 
 
-_ORPHAN = """
-import os, sys, time
+_PARENT = """
+import os, signal, sys, time
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: the helper must not inherit it
 sys.path.insert(0, {root!r})
 from backends import forked
 from backends.snapshot_helper import helper_snapshot, running_helper
 from tests.backends.test_snapshot_helper import _backend
+from tests.processes import stopped
 from dstl import gil
 forked.FORK_MIN_ENTRIES = 100
 b = _backend(200)
@@ -283,36 +315,47 @@ snap = helper_snapshot(b, 1)
 assert snap is not None
 if {stop}:
     gil.open_critical(max_wait_s=600, owner=None)  # stopped now, and for as long as we live
+    stopped(snap.pid)
 print(snap.pid, flush=True)
 time.sleep(600)
 """
 
+_GRANDPARENT = """
+import ctypes, os, select, signal, subprocess, sys
+if {subreaper}:  # orphans come here: in our session, in another group, never orphaned
+    assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+parent = subprocess.Popen([sys.executable, "-c", {parent!r}], stdout=subprocess.PIPE, text=True)
+pid = int(parent.stdout.readline())
+handle = os.pidfd_open(pid)  # readable once the helper has ended
+parent.kill()
+parent.wait()
+ended = bool(select.select([handle], [], [], 10)[0])
+if not ended:
+    signal.pidfd_send_signal(handle, signal.SIGKILL)
+if {subreaper}:
+    os.waitpid(pid, 0)  # ours now
+print("ended" if ended else f"the helper {{pid}} is still there", flush=True)
+"""
 
-@pytest.mark.parametrize("stop", [False, True], ids=["running", "stopped"])
-def test_the_helper_ends_when_its_parent_is_killed(stop: bool) -> None:
+
+@pytest.mark.parametrize(
+    ("stop", "subreaper"),
+    [(False, False), (True, False), (True, True)],
+    ids=["running", "stopped", "stopped-beside-a-subreaper"],
+)
+def test_the_helper_ends_when_its_parent_is_killed(stop: bool, subreaper: bool) -> None:
     """Killed (SIGKILL) with a job in flight: a running helper reads the end of its socket;
-    a stopped one is continued and hung up by the kernel (its orphaned group)."""
+    a stopped one is killed by the kernel, even when the orphaned-group rule would not
+    reach it (a subreaper in its session takes it: its group is not orphaned)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _ORPHAN.format(root=root, stop=stop)],
-        stdout=subprocess.PIPE,
+    parent = _PARENT.format(root=root, stop=stop)
+    out = subprocess.run(
+        [sys.executable, "-c", _GRANDPARENT.format(parent=parent, subreaper=subreaper)],
+        capture_output=True,
         text=True,
+        timeout=60,
     )
-    try:
-        assert parent.stdout is not None
-        pid = int(parent.stdout.readline())
-        handle = os.pidfd_open(pid)  # readable once the helper has ended
-    finally:
-        parent.kill()
-        parent.wait()
-    try:
-        poller = select.poll()
-        poller.register(handle, select.POLLIN)
-        assert poller.poll(10_000), f"the helper {pid} is still there"
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # not left behind when it failed
-            signal.pidfd_send_signal(handle, signal.SIGKILL)
-        os.close(handle)
+    assert out.stdout.strip() == "ended", out.stderr
 
 
 def test_only_columns_names_every_state_of_an_all_columnar_int64_store() -> None:
