@@ -371,19 +371,32 @@ encoding stores in a few bits each. At 1M uniform int64 keys x 2 value states th
 keep dictionary encoding (falling back to plain past :data:`DICTIONARY_PAGE_BYTES`)."""
 
 
+RAW_COLUMNS = ("key", "user_key")
+"""Delta-encoded columns (:data:`DELTA_COLUMNS`) written without zstd: what delta
+encoding leaves of ascending keys is the bits of their gaps, which zstd barely shrinks.
+At 1M uniform int64 keys x 2 value states (32 pieces) zstd on them cost 27 ms of 0.23 s
+of CPU for 0.09% of the bytes; at 1M sequential keys 8 ms for 1.2%."""
+
+
 def table_to_parquet(table: pa.Table) -> bytes:
     """Parquet bytes (zstd, page checksums) of a state table; integer key columns
-    delta-encoded (:data:`DELTA_COLUMNS`)."""
+    delta-encoded (:data:`DELTA_COLUMNS`), integer keys without zstd (:data:`RAW_COLUMNS`)."""
     delta = {
         name: "DELTA_BINARY_PACKED"
         for name in DELTA_COLUMNS
         if name in table.column_names and pa.types.is_integer(table.schema.field(name).type)
     }
+    compression: str | dict[str, str] = "zstd"
+    if any(name in delta for name in RAW_COLUMNS):
+        compression = {
+            p: "none" if p in delta and p in RAW_COLUMNS else "zstd"
+            for p in _leaf_paths(table.schema)
+        }
     sink = io.BytesIO()
     pq.write_table(
         table,
         sink,
-        compression="zstd",
+        compression=compression,
         write_page_checksum=True,
         dictionary_pagesize_limit=DICTIONARY_PAGE_BYTES,
         use_dictionary=[p for p in _leaf_paths(table.schema) if p not in delta] if delta else True,

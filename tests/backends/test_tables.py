@@ -80,6 +80,7 @@ def test_integer_key_columns_are_delta_encoded_and_read_back() -> None:
         seen.add(f"s{i % 4}")
         tags.put(i % 3, "t")
     encodings = {}
+    codecs = {}
     for meta, table in snapshot_tables(backend.snapshot()):
         data = table_to_parquet(table)
         assert parquet_to_table(data, "mem").equals(table)
@@ -87,10 +88,14 @@ def test_integer_key_columns_are_delta_encoded_and_read_back() -> None:
         for i in range(rg.num_columns):
             col = rg.column(i)
             encodings[(meta.name, col.path_in_schema)] = col.encodings
+            codecs[(meta.name, col.path_in_schema)] = col.compression
     delta = {k for k, v in encodings.items() if "DELTA_BINARY_PACKED" in v}
     assert delta == {
         (name, col) for name in ("count", "seen", "tags") for col in ("key_group", "key")
     } | {("tags", "user_key")}
     dictionary = {k for k, v in encodings.items() if "RLE_DICTIONARY" in v}
     assert dictionary == {("count", "value"), ("seen", "value.list.element"), ("tags", "value")}
+    raw = {k for k, v in codecs.items() if v == "UNCOMPRESSED"}  # integer keys: no zstd
+    assert raw == {(name, "key") for name in ("count", "seen", "tags")} | {("tags", "user_key")}
+    assert {v for k, v in codecs.items() if k not in raw} == {"ZSTD"}
     backend.close()
