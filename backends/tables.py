@@ -31,6 +31,7 @@ import array
 import functools
 import io
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from itertools import chain, pairwise
 from typing import Any
 
@@ -269,47 +270,78 @@ def _column_files(
     """:func:`state_files` of a columnar state: the same pieces, rows and bytes as its
     dicts would give, from Arrow and numpy over the columns (copies, or a forked child's
     views; no Python call per key, and the sort and the Parquet encoding release the
-    GIL). Returns its rows' order, which the next columnar state takes as is when its
+    GIL). The key groups and keys are put in order once per state, and pieces are slices
+    of them. Returns them, which the next columnar state takes as they are when its
     slots hold the same keys in the same key groups (``last``: value states written for
-    the same keys in the same order, a count and a sum: one sort, not one per state)."""
+    the same keys in the same order, a count and a sum: one sort and one ordering of the
+    keys, not one per state; only its values are put in order)."""
     schema = schema_for(meta, key_ser)
     kgs = np.frombuffer(column.kgs, np.int32, column.used)
     value_type = schema.field("value").type
     values = pa.Array.from_buffers(value_type, column.used, [None, pa.py_buffer(column.vals)])
-    keys = column.key_array(key_ser)
-    groups = pa.Array.from_buffers(pa.int32(), column.used, [None, pa.py_buffer(column.kgs)])
-    table = pa.Table.from_arrays([groups, keys, values], schema=schema)
-    if last is not None and _same_slots(last[0], column):
-        order = last[1]
-    elif pa.types.is_integer(keys.type) and keys.null_count == 0:
-        order = _key_order(kgs, keys.to_numpy(), rng)
+    if last is not None and _same_slots(last.column, column):
+        ordered = last
     else:
-        inside = np.flatnonzero((kgs >= rng.start) & (kgs < rng.end))
-        by = [("key_group", "ascending"), ("key", "ascending")]
-        order = inside[pc.sort_indices(table.take(pa.array(inside)), by).to_numpy()]
+        ordered = _ordered(column, kgs, column.key_array(key_ser), rng)
+    order = ordered.order
     if not len(order):
         yield SnapshotFile(
             f"{name}.empty.parquet", name, rng.start, rng.end, 0,
             table_to_parquet(table_for(meta, key_ser, {})),
         )  # fmt: skip
         return None
-    sorted_kgs = kgs[order]
+    if pa.types.is_integer(value_type) or pa.types.is_floating(value_type):
+        sorted_values = pa.array(values.to_numpy()[order])
+    else:
+        sorted_values = values.take(pa.array(order))
+    sorted_kgs = ordered.kgs
     span = piece_span(len(order), len(rng), piece_rows)
     for start in range(rng.start - rng.start % span, rng.end, span):
         lo, hi = max(start, rng.start), min(start + span, rng.end)
-        a, b = np.searchsorted(sorted_kgs, [lo, hi])
+        a, b = (int(i) for i in np.searchsorted(sorted_kgs, [lo, hi]))
         if a == b:
             continue
-        piece = table.take(pa.array(order[a:b]))  # a piece at a time: its memory is reused
+        piece = pa.Table.from_arrays(
+            [ordered.groups.slice(a, b - a), ordered.keys.slice(a, b - a),
+             sorted_values.slice(a, b - a)],
+            schema=schema,
+        )  # fmt: skip
         yield SnapshotFile(
             f"{name}.kg{lo:04x}-{hi:04x}.parquet", name, lo, hi, piece.num_rows,
             table_to_parquet(piece),
         )  # fmt: skip
-    return column, order
+    return ordered
 
 
-_Sorted = tuple[ColumnSnapshot, np.ndarray]
-"""A columnar state and the order of its rows (:func:`_column_files`)."""
+@dataclass(frozen=True, slots=True)
+class _Sorted:
+    """A columnar state's slots in (key group, key) order (:func:`_column_files`): their
+    ``order``, and the key groups (numpy and Arrow) and keys in that order."""
+
+    column: ColumnSnapshot
+    order: np.ndarray
+    kgs: np.ndarray
+    groups: pa.Array
+    keys: pa.Array
+
+
+def _ordered(
+    column: ColumnSnapshot, kgs: np.ndarray, keys: pa.Array, rng: KeyGroupRange
+) -> _Sorted:
+    """Sort ``column``'s slots of ``rng`` (see :func:`_key_order`)."""
+    if pa.types.is_integer(keys.type) and keys.null_count == 0:
+        key_values = keys.to_numpy()
+        order = _key_order(kgs, key_values, rng)
+        sorted_keys = pa.array(key_values[order])
+    else:
+        groups = pa.Array.from_buffers(pa.int32(), column.used, [None, pa.py_buffer(column.kgs)])
+        table = pa.Table.from_arrays([groups, keys], names=["key_group", "key"])
+        inside = np.flatnonzero((kgs >= rng.start) & (kgs < rng.end))
+        by = [("key_group", "ascending"), ("key", "ascending")]
+        order = inside[pc.sort_indices(table.take(pa.array(inside)), by).to_numpy()]
+        sorted_keys = keys.take(pa.array(order))
+    sorted_kgs = kgs[order]
+    return _Sorted(column, order, sorted_kgs, pa.array(sorted_kgs), sorted_keys)
 
 
 def _same_slots(a: ColumnSnapshot, b: ColumnSnapshot) -> bool:
