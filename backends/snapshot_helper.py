@@ -303,8 +303,8 @@ def close_helper() -> None:
 
 def helper_snapshot(backend: HeapKeyedStateBackend, sqn: int | None) -> ForkedSnapshot | None:
     """A snapshot of ``backend`` served by the helper (task thread only), or None when
-    the helper cannot take it: a state that is not columnar, no helper ready yet, or the
-    store's last helper snapshot still in flight. Starts the helper once the store has a
+    the helper cannot take it: a state that is not columnar, no helper ready yet, the
+    store's last helper snapshot still in flight, or a region or pipe it cannot make. Starts the helper once the store has a
     quarter of :data:`~backends.forked.FORK_MIN_ENTRIES` entries."""
     from backends import forked  # its thresholds, as tests set them
 
@@ -325,6 +325,8 @@ def helper_snapshot(backend: HeapKeyedStateBackend, sqn: int | None) -> ForkedSn
     snap = None
     try:
         snap = _submit(backend, stores, sqn, helper, region, entries >= forked.NICE_MIN_ENTRIES)
+    except OSError as exc:  # no memory for the region, no descriptors for the pipes
+        log.warning("snapshot helper: cannot hand the snapshot over (%s); forking", exc)
     finally:
         if snap is None:
             region.end()

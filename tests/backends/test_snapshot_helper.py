@@ -195,6 +195,24 @@ def test_a_region_is_leased_to_one_snapshot_at_a_time_and_kept(
     third.release()
 
 
+def test_a_region_that_cannot_be_made_leaves_the_store_to_the_fork(
+    helper: SnapshotHelper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(*args: Any) -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "memfd_create", no_memory)
+    b = _backend(KEYS + 100)
+    assert helper_snapshot(b, 7) is None
+    snap = materialization_snapshot(b, 7)
+    assert isinstance(snap, ForkedSnapshot) and snap.end_job is None
+    assert _pieces(snap.pieces(PIECE_ROWS)) == _want(b)
+    snap.release()
+    monkeypatch.undo()
+    monkeypatch.setattr(forked_mod, "FORK_MIN_ENTRIES", KEYS)
+    _served(b).release()  # the lease was given back
+
+
 def test_a_snapshot_released_unread_leaves_the_helper_serving(helper: SnapshotHelper) -> None:
     b = _backend(KEYS + 100)
     _served(b).release()  # before its request
