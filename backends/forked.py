@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import gc
 import itertools
@@ -185,9 +184,6 @@ def fork_snapshot(
     pause_during_critical(pid)
     os.close(req_r)
     os.close(out_w)
-    with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
-        fcntl.fcntl(out_r, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-    os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
     backend.unshare_columns()
     return ForkedSnapshot(backend.key_group_range, sqn, pid, req_w, out_r, bool(nice))
 
@@ -253,6 +249,9 @@ class ForkedSnapshot:
 
     def __post_init__(self) -> None:
         self._finalize([self._request_fd, self._pieces_fd])
+        with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
+            fcntl.fcntl(self._pieces_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        os.set_blocking(self._pieces_fd, False)  # reads wait in poll(), with a timeout
 
     def _finalize(self, fds: list[int]) -> None:
         self._finalizer = weakref.finalize(self, _reap, os.getpid(), self.pid, fds, self.end_job)
@@ -483,10 +482,8 @@ def serve(
             else:
                 _send(out_fd, {**head, **write(f.name, f.data)}, b"")
             count += 1
-    except OSError as exc:
-        if exc.errno == errno.EPIPE:  # nobody reads any more
-            raise
-        _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
+    except BrokenPipeError:  # nobody reads any more
+        raise
     except Exception as exc:  # reported to the parent, which raises it
         _send(out_fd, {"error": f"{type(exc).__name__}: {exc}"}, b"")
     else:

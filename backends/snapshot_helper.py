@@ -63,6 +63,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -198,7 +199,7 @@ class _Region:
         self.map: mmap.mmap | None = None
         self._busy = False
         self._lock = threading.Lock()
-        self._free: weakref.finalize[Any, Any] = weakref.finalize(self, lambda: None)
+        self._free: Callable[[], object] = lambda: None  # the current generation's
 
     def lease(self) -> bool:
         """Take it for a snapshot; False if the last one has not ended."""
@@ -304,8 +305,9 @@ def close_helper() -> None:
 def helper_snapshot(backend: HeapKeyedStateBackend, sqn: int | None) -> ForkedSnapshot | None:
     """A snapshot of ``backend`` served by the helper (task thread only), or None when
     the helper cannot take it: a state that is not columnar, no helper ready yet, the
-    store's last helper snapshot still in flight, or a region or pipe it cannot make. Starts the helper once the store has a
-    quarter of :data:`~backends.forked.FORK_MIN_ENTRIES` entries."""
+    store's last helper snapshot still in flight, or a region or pipe it cannot make.
+    Starts the helper once the store has a quarter of
+    :data:`~backends.forked.FORK_MIN_ENTRIES` entries."""
     from backends import forked  # its thresholds, as tests set them
 
     entries = backend.entry_count()
@@ -381,7 +383,6 @@ def _submit(
         os.close(req_w)
         os.close(out_r)
         return None
-    os.set_blocking(out_r, False)  # reads wait in poll(), with a timeout
     return ForkedSnapshot(rng, sqn, helper.pid, req_w, out_r, nice, end_job=region.end)
 
 
