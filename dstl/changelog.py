@@ -46,7 +46,13 @@ import pyarrow.compute as pc
 from dstl import layout
 from dstl._records import RecordColumns
 from dstl.buffer import ChangeBuffer, as_binary, as_int32
-from dstl.encoder import PendingBlock, encode_here, shared_encoder
+from dstl.encoder import (
+    EncodedSegment,
+    PendingBlock,
+    encode_here,
+    shared_encoder,
+    warm_up_here,
+)
 from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFailedError
 from dstl.fileio import FileIO, translate_error
 from dstl.gil import close_critical, critical_section, open_critical
@@ -423,8 +429,11 @@ class ChangelogWriter:
         for the upload thread (``persist_queue_ms``), in the sharing window
         (``persist_window_ms``; for a pre-emptive upload, also waiting for the lane),
         encoding (``encode_ms``; ``encode_cpu_ms`` of it the upload thread's CPU), writing
-        durably (``write_ms``); not in ms: the segment's ``segment_blocks`` and this
-        block's part of its bytes (``block_bytes``). The upload thread fills the dict
+        durably (``write_ms``, with the files of the same upload written before it);
+        not in ms: the segment's ``segment_blocks``, this block's part of its bytes
+        (``block_bytes``), and the segments and blocks of the upload it was part of
+        (``upload_segments``, ``upload_blocks``: a barrier's takes along the blocks still
+        waiting for the lane). The upload thread fills the dict
         before the persist's future completes; read it after that. Empty for a persist
         with nothing to upload."""
         return self._last_timings
@@ -617,6 +626,10 @@ class ChangelogStorage:
 
     # -- the upload loop: a thin shell around drain_once -----------------------------------
     def _run(self) -> None:
+        try:  # before the first request: see warm_up_here
+            warm_up_here()
+        except Exception:  # a bug; the first segment pays for the set-up instead
+            log.exception("warming up the segment encoding failed worker=%s", self.worker)
         while True:
             if not self.drain_once(block=True):
                 return
@@ -694,18 +707,17 @@ class ChangelogStorage:
         """
         lane = self._lane
         if lane is None:
-            for segment in _segments(batch):
-                self._upload(segment)
+            self._upload(_segments(batch))
         elif not any(r.urgent for r in batch):
             lane.put(batch)
         else:
-            # Pre-emptive requests still waiting for the lane join the barrier's segment
-            # (the persist waits for them anyway: one file, not one each; two where a
-            # materialization's boundary falls between them); the tasks stand aside until
-            # the one the lane is uploading now is written too.
+            # Pre-emptive requests still waiting for the lane join the barrier's upload
+            # (the persist waits for them anyway: one encoding round trip, one file, not
+            # one each; more files where a materialization's boundary falls between
+            # them); the tasks stand aside until the one the lane is uploading now is
+            # written too.
             waiting, running = lane.steal()
-            for segment in _segments(waiting + batch):
-                self._upload(segment, running)
+            self._upload(_segments(waiting + batch), running)
 
     def _run_lane(self) -> None:
         assert self._lane is not None
@@ -713,13 +725,14 @@ class ChangelogStorage:
             pass
 
     def _upload_preemptive_once(self, lane: _Lane) -> bool:
-        """The lane's step: upload the pre-emptive requests waiting (as one segment, up to
-        ``batch_max_bytes``); False once the lane is closed and empty."""
+        """The lane's step: upload the pre-emptive requests waiting, up to
+        ``batch_max_bytes``, in as few segments as materializations' boundaries allow,
+        encoded in one round trip; False once the lane is closed and empty."""
         batch = lane.take()
         if batch is None:
             return False
         try:
-            self._upload_batch(batch)
+            self._upload_segments(_segments(batch))
         except Exception as exc:  # a bug: fail the futures, so no persist waits forever
             log.exception("segment upload crashed worker=%s", self.worker)
             for r in batch:
@@ -746,34 +759,76 @@ class ChangelogStorage:
             nonce = f"{self._nonces.getrandbits(48):012x}"
         return layout.segment_path(self.job, self.worker, counter, nonce)
 
-    def _upload(self, batch: list[_Request], before: Future[None] | None = None) -> None:
-        """Upload ``batch`` on this thread; one a persist waits for in a critical section,
-        whose tasks' stand-aside ends once ``before`` (the lane's upload) is done too."""
-        if not any(r.urgent for r in batch):
-            self._upload_batch(batch)
+    def _upload(self, segments: list[list[_Request]], before: Future[None] | None = None) -> None:
+        """Upload ``segments`` on this thread; those a persist waits for in a critical
+        section, whose tasks' stand-aside ends once ``before`` (the lane's upload) is
+        done too."""
+        urgent = [r for segment in segments for r in segment if r.urgent]
+        if not urgent:
+            self._upload_segments(segments)
             return
         try:  # a barrier waits for it: the tasks stand aside (a bound of its own)
             with critical_section():
-                self._upload_batch(batch)
+                self._upload_segments(segments)
         finally:
-            tokens = [r.critical for r in batch]
+            tokens = [r.critical for r in urgent]
             if before is None:
                 _close_all(tokens)
             else:  # runs at once if it is done already
                 before.add_done_callback(lambda _f: _close_all(tokens))
 
-    def _upload_batch(self, batch: list[_Request]) -> None:
+    def _upload_segments(self, segments: list[list[_Request]]) -> None:
+        """Encode ``segments`` (those that must go to the helper in one round trip), then
+        write each to a file of its own and complete its requests' futures, in order."""
+        closed, cpu = time.perf_counter(), time.thread_time()
+        encoded = self._encode(segments)
+        times = _UploadTimes(
+            closed,
+            time.perf_counter(),
+            time.thread_time() - cpu,
+            len(segments),
+            sum(map(len, segments)),
+        )
+        for segment, result in zip(segments, encoded, strict=True):
+            self._write_segment(segment, result, times)
+
+    def _encode(self, segments: list[list[_Request]]) -> list[EncodedSegment | Exception]:
+        """Each segment encoded, or the error that failed it (that segment alone).
+
+        A barrier's upload is encoded here when it is small (no helper round trip while
+        it waits: the helper may be busy, or still starting); otherwise, and for the
+        lane, every segment goes to the helper, all in one round trip."""
+        urgent = any(r.urgent for batch in segments for r in batch)
+        here = urgent and sum(r.nbytes for batch in segments for r in batch) <= ENCODE_HERE_BYTES
+        results: dict[int, EncodedSegment | Exception] = {}
+        far: dict[int, list[PendingBlock]] = {}
+        for i, batch in enumerate(segments):
+            pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
+            if here:
+                results[i] = _encoded_here(pending)
+            else:
+                far[i] = pending
+        if far:
+            try:
+                results.update(zip(far, self._encoder.encode_many(list(far.values())), strict=True))
+            except _DATA_ERRORS:  # which one? each by itself: the others still upload
+                results.update((i, _encoded_here(pending)) for i, pending in far.items())
+        return [results[i] for i in range(len(segments))]
+
+    def _write_segment(
+        self,
+        batch: list[_Request],
+        encoded: EncodedSegment | Exception,
+        times: _UploadTimes,
+    ) -> None:
+        """Write one encoded segment (or fail its requests with the error that failed its
+        encoding or write); fill its requests' timings, then complete their futures."""
         blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
         write: HedgedWrite | None = None
-        closed, cpu = time.perf_counter(), time.thread_time()
         try:
-            pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
-            if any(r.urgent for r in batch) and sum(r.nbytes for r in batch) <= ENCODE_HERE_BYTES:
-                segment = encode_here(pending)  # a barrier waits: no helper round trip
-            else:
-                segment = self._encoder.encode(pending)
-            encoded, encode_cpu = time.perf_counter(), time.thread_time() - cpu
-            data = segment.data
+            if isinstance(encoded, Exception):
+                raise encoded
+            data = encoded.data
             write = HedgedWrite(
                 self._write_attempt,
                 self.fileio.delete,
@@ -784,7 +839,7 @@ class ChangelogStorage:
                 self._attempts if self.fileio.hedged else None,
             )
             path = write.run()
-        except (StorageError, ValueError, pa.ArrowException) as exc:
+        except (StorageError, *_DATA_ERRORS) as exc:
             attempts = write.attempts if write is not None else 0
             log.warning(
                 "segment upload failed worker=%s attempts=%d error=%s", self.worker, attempts, exc
@@ -810,14 +865,18 @@ class ChangelogStorage:
         for i, r in enumerate(batch):  # before the futures complete: their callbacks read these
             r.timings.update(
                 persist_queue_ms=round((r.taken - r.submitted) * 1e3, 3),
-                persist_window_ms=round((closed - r.taken) * 1e3, 3),
-                encode_ms=round((encoded - closed) * 1e3, 3),
+                persist_window_ms=round((times.closed - r.taken) * 1e3, 3),
+                encode_ms=round((times.encoded - times.closed) * 1e3, 3),
                 # of which this thread's CPU (encoded here; ~0 when the helper encodes)
-                encode_cpu_ms=round(encode_cpu * 1e3, 3),
-                write_ms=round((written - encoded) * 1e3, 3),
+                encode_cpu_ms=round(times.encode_cpu * 1e3, 3),
+                # until this segment was written (the upload's earlier segments first)
+                write_ms=round((written - times.encoded) * 1e3, 3),
                 segment_blocks=len(batch),
                 # this block's part of the segment's bytes (by rows; they add up to its size)
                 block_bytes=bounds[i + 1] - bounds[i],
+                # the upload it was part of: a barrier's takes along the lane's backlog
+                upload_segments=times.segments,
+                upload_blocks=times.blocks,
             )
         deletable = self._tracker.uploaded(path, blocks)
         self.budget.release(sum(r.nbytes for r in batch))
@@ -831,7 +890,7 @@ class ChangelogStorage:
                     r.sqn_end,
                     r.changes.rows,
                     len(data),
-                    segment.content_hash,
+                    encoded.content_hash,
                 )
             )
         self._delete(deletable)
@@ -893,8 +952,8 @@ class _Lane:
 
     def take(self) -> list[_Request] | None:
         """The next batch (blocks while none waits): the oldest requests, at least one,
-        up to ``max_bytes`` and to the first that ends its segment; None once closed and
-        empty."""
+        up to ``max_bytes`` (across segment ends: :func:`_segments` splits it); None once
+        closed and empty."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._waiting) or self._closed)
             if not self._waiting:
@@ -904,8 +963,6 @@ class _Lane:
                 if n and size + r.nbytes > self._max_bytes:
                     break
                 size, n = size + r.nbytes, n + 1
-                if r.ends_segment:
-                    break
             batch, self._waiting = self._waiting[:n], self._waiting[n:]
             self._running = Future()
             return batch
@@ -921,6 +978,29 @@ class _Lane:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+
+@dataclass(frozen=True, slots=True)
+class _UploadTimes:
+    """When an upload's encoding began and ended (``perf_counter``), the uploading
+    thread's CPU for it, and how many segments and blocks it uploads."""
+
+    closed: float
+    encoded: float
+    encode_cpu: float
+    segments: int
+    blocks: int
+
+
+_DATA_ERRORS = (ValueError, pa.ArrowException)
+"""What encoding raises for changes it cannot encode (the upload fails, nothing else)."""
+
+
+def _encoded_here(blocks: list[PendingBlock]) -> EncodedSegment | Exception:
+    try:
+        return encode_here(blocks)
+    except _DATA_ERRORS as exc:
+        return exc
 
 
 def _segments(batch: list[_Request]) -> list[list[_Request]]:

@@ -20,10 +20,10 @@ that reported an error answered properly and is kept.
 Wire format (private to this module, both ends are this file): a request is an 8-byte
 little-endian length, that many bytes of JSON describing the blocks (writer, sqn range,
 and each chunk of its change buffer, with its buffers as indices; Arrow arrays as type,
-length, null count, offset and buffers), then the buffers themselves, each starting at a
-multiple of 64 bytes. A reply is two little-endian int64 (status, length) and ``length``
-bytes: the segment followed by its 32-byte SHA-256 digest (status 0), or an error message
-(status 1).
+length, null count, offset and buffers) and how many blocks each segment takes, then the
+buffers themselves, each starting at a multiple of 64 bytes. A reply is two little-endian
+int64 (status, length) and ``length`` bytes: for each segment its length (int64), its
+bytes and their 32-byte SHA-256 digest (status 0), or an error message (status 1).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ import atexit
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,6 +48,7 @@ from typing import Any
 import pyarrow as pa
 
 from dstl._durable import exchange
+from dstl._records import KIND_BYTES, KIND_FLOAT64, KIND_INT64, RecordColumns
 from dstl.buffer import ChangeBuffer
 from dstl.integrity import content_hash
 from dstl.segment import BLOCK_SCHEMA, Block, encode_segment
@@ -55,7 +58,8 @@ log = logging.getLogger(__name__)
 _ALIGN = 64  # Arrow's buffer alignment: the helper's arrays point into one payload buffer
 _PIPE_BYTES = 1 << 20  # fewer wake-ups per request than the default 64 KiB pipe
 _OK, _FAILED = 0, 1
-_HASH_BYTES = 32  # a successful reply ends with the segment's SHA-256 (dstl.integrity)
+_READY = b"R"  # the helper's first byte: warmed up (see _warm_up), requests welcome
+_HASH_BYTES = 32  # each segment of a reply is followed by its SHA-256 (dstl.integrity)
 _PADS = [bytes(n) for n in range(_ALIGN)]
 
 
@@ -87,15 +91,18 @@ class SegmentEncoder:
     Thread-safe: any thread may call :meth:`encode`; one request is in flight at a
     time (``self._lock``, held across the round trip only). The helper is started by
     :meth:`start` or by the first :meth:`encode`, and replaced after any failure.
-    ``started`` and ``fallbacks`` count helpers started and blocks encoded in-process.
+    ``started`` counts helpers started; ``fallbacks`` the calls it failed, and
+    ``unready`` those made before it was warmed up (both then encoded in-process).
     """
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the running helper said it is warmed up
         self.started = 0
         self.fallbacks = 0
+        self.unready = 0
 
     def start(self) -> None:
         """Start the helper if none runs (it imports pyarrow while the caller goes on)."""
@@ -112,32 +119,90 @@ class SegmentEncoder:
         """The segment of ``blocks``, as :func:`~dstl.segment.encode_segment` writes it,
         with its content hash (computed in the helper: no hashing on this process's GIL).
         """
-        if not blocks:
+        return self.encode_many([blocks])[0]
+
+    def encode_many(self, segments: list[list[PendingBlock]]) -> list[EncodedSegment]:
+        """:meth:`encode` of each of ``segments``, in one round trip.
+
+        Why: a round trip costs the calling thread a fixed latency beside a busy task
+        (waiting for the helper to be scheduled, then for the GIL); one per segment
+        capped what the pre-emptive lane uploads at one segment per trip, while a heap
+        materialization ends a segment up to 20 times a second at 100k keys.
+        A data error raises as :func:`encode_here` raises it, for the first segment that
+        has one (the caller encodes them one by one to find which).
+        """
+        if not segments or not all(segments):
             raise ValueError("a segment needs at least one block")
-        parts, payload = _request(blocks)
-        reason = ""
+        with self._lock:
+            answer = self._round_trip(segments)
+        if isinstance(answer, list):
+            return answer
+        if answer is not None:
+            log.warning("segment encoder process failed (%s); encoding in this process", answer)
+        return [encode_here(blocks) for blocks in segments]
+
+    def _round_trip(self, segments: list[list[PendingBlock]]) -> list[EncodedSegment] | str | None:
+        """The helper's segments; else why it failed (counted in ``fallbacks``), or None
+        while it is not ready (counted in ``unready``). Under ``self._lock``."""
+        try:
+            proc = self._ensure_started()
+            assert proc.stdin is not None and proc.stdout is not None
+            if not self._poll_ready(proc, 0.0):
+                self.unready += 1
+                return None
+            parts, payload = _request(segments)
+            status, reply = exchange(
+                proc.stdin.fileno(),
+                proc.stdout.fileno(),
+                parts,
+                payload + (1 << 16),  # the guess at the reply size: it is compressed
+                self.timeout_s,
+            )
+        except (OSError, EOFError) as exc:  # TimeoutError is an OSError
+            self._stop(kill=True)
+            self.fallbacks += 1
+            return f"{type(exc).__name__}: {exc}"
+        if status != _OK:  # a data error, reported: the helper is fine
+            reason = reply.decode("utf-8", "replace")
+        else:
+            encoded = _segments_of(reply, len(segments))
+            if encoded is not None:
+                return encoded
+            self._stop(kill=True)  # the helper is not what we think it is
+            reason = f"a reply of {len(reply)} bytes that is not {len(segments)} segments"
+        self.fallbacks += 1
+        return reason
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Start the helper if none runs and wait up to ``timeout_s`` for it to be warmed
+        up; whether it is. Until then :meth:`encode_many` encodes in the calling thread
+        (counted in ``unready``)."""
         with self._lock:
             try:
-                proc = self._ensure_started()
-                assert proc.stdin is not None and proc.stdout is not None
-                status, reply = exchange(
-                    proc.stdin.fileno(),
-                    proc.stdout.fileno(),
-                    parts,
-                    payload + (1 << 16),  # the guess at the reply size: it is compressed
-                    self.timeout_s,
-                )
-            except (OSError, EOFError) as exc:  # TimeoutError is an OSError
-                reason = f"{type(exc).__name__}: {exc}"
+                return self._poll_ready(self._ensure_started(), timeout_s)
+            except (OSError, EOFError) as exc:
+                log.warning("segment encoder process failed (%s)", exc)
                 self._stop(kill=True)
-            else:
-                if status == _OK and len(reply) > _HASH_BYTES:
-                    view = memoryview(reply)
-                    return EncodedSegment(view[:-_HASH_BYTES], view[-_HASH_BYTES:].hex())
-                reason = reply.decode("utf-8", "replace")
-            self.fallbacks += 1
-        log.warning("segment encoder process failed (%s); encoding in this process", reason)
-        return encode_here(blocks)
+                return False
+
+    def _poll_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+        """Whether the helper said it is ready (its first byte), waiting ``timeout_s``.
+
+        Why: the helper takes 0.2-0.9 s to import and warm up. A request sent meanwhile
+        waited for it: a checkpoint right after the start took 0.85-0.95 s. The caller
+        encodes in-process until then instead. Raises EOFError for a helper that exited
+        or wrote something else."""
+        if self._ready:
+            return True
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        if not select.select([fd], [], [], timeout_s)[0]:
+            return False
+        first = os.read(fd, 1)
+        if first != _READY:
+            raise EOFError(f"the helper's first byte was {first!r}, not {_READY!r}")
+        self._ready = True
+        return True
 
     def close(self) -> None:
         """Stop the helper: it exits when its input closes (killed after 5 s)."""
@@ -166,11 +231,13 @@ class SegmentEncoder:
             with contextlib.suppress(OSError):  # a lower pipe-max-size: the default works
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         self._proc = proc
+        self._ready = False
         self.started += 1
         return proc
 
     def _stop(self, kill: bool) -> None:
         proc, self._proc = self._proc, None
+        self._ready = False
         if proc is None:
             return
         if kill:
@@ -189,6 +256,7 @@ class SegmentEncoder:
         """In a forked child: drop the parent's helper without touching it."""
         self._lock = threading.Lock()
         proc, self._proc = self._proc, None
+        self._ready = False
         if proc is not None and proc.stdin is not None and proc.stdout is not None:
             for fd in (proc.stdin.fileno(), proc.stdout.fileno()):
                 with contextlib.suppress(OSError):
@@ -294,8 +362,9 @@ class _Payload:
         return [nulls, self.ref(validity), self.ref(offsets), self.ref(data)]
 
 
-def _request(blocks: list[PendingBlock]) -> tuple[list[Any], int]:
-    """The request's parts (header, JSON, buffers and padding) and its payload size.
+def _request(segments: list[list[PendingBlock]]) -> tuple[list[Any], int]:
+    """The request's parts (header, JSON, buffers and padding) and its payload size:
+    the blocks of every segment in order, and how many each segment has.
 
     Describes the chunks of each block's :class:`~dstl.buffer.ChangeBuffer` as they
     are (see ``ChangeBuffer.__init__``): the helper rebuilds the buffer and calls its
@@ -303,7 +372,7 @@ def _request(blocks: list[PendingBlock]) -> tuple[list[Any], int]:
     """
     payload = _Payload()
     described: list[Any] = []
-    for block in blocks:
+    for block in itertools.chain.from_iterable(segments):
         chunks: list[Any] = []
         for chunk in block.changes.chunks:
             if len(chunk) == 5:  # (rows, nbytes, sqn, state, RecordColumns.take())
@@ -323,7 +392,12 @@ def _request(blocks: list[PendingBlock]) -> tuple[list[Any], int]:
                 chunks.append([2, rows, nbytes, [payload.array(a) for a in batch.columns]])
         described.append((block.writer_id, block.sqn_start, block.sqn_end, chunks))
     meta = json.dumps(
-        {"blocks": described, "sizes": payload.sizes, "payload": payload.size},
+        {
+            "blocks": described,
+            "segments": [len(blocks) for blocks in segments],
+            "sizes": payload.sizes,
+            "payload": payload.size,
+        },
         separators=(",", ":"),
     ).encode()
     return [len(meta).to_bytes(8, "little"), meta, *payload.parts], payload.size
@@ -376,6 +450,23 @@ def _blocks(meta: dict[str, Any], payload: pa.Buffer) -> list[Block]:
     return blocks
 
 
+def _segments_of(reply: bytes, count: int) -> list[EncodedSegment] | None:
+    """The ``count`` segments of a successful reply (views, not copies): each an 8-byte
+    little-endian length, that many bytes, and their SHA-256; None if it is not that."""
+    view = memoryview(reply)
+    out: list[EncodedSegment] = []
+    at = 0
+    while at + 8 <= len(view) and len(out) < count:
+        n = int.from_bytes(view[at : at + 8], "little")
+        end = at + 8 + n + _HASH_BYTES
+        if n <= 0 or end > len(view):
+            return None
+        digest = view[end - _HASH_BYTES : end].hex()
+        out.append(EncodedSegment(view[at + 8 : end - _HASH_BYTES], digest))
+        at = end
+    return out if len(out) == count and at == len(view) else None
+
+
 def _read_exact(fd: int, view: memoryview) -> bool:
     """Fill ``view`` from ``fd``; False on end of input before the first byte."""
     done = 0
@@ -401,8 +492,68 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
     rfd, wfd = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # a stray print must not corrupt the replies
+    _warm_up()
     with contextlib.suppress(BrokenPipeError, EOFError):  # no traceback on its stderr
+        _write_all(wfd, _READY)
         _serve(rfd, wfd)
+
+
+def warm_up_blocks() -> list[PendingBlock]:
+    """A segment's worth of changes with a chunk of every kind, for :func:`warm_up_here`
+    and the helper to encode once before their first real segment."""
+    buffer = ChangeBuffer()
+    buffer.append(0, 0, "warm-up", 0, b"k", None, b"v")
+    buffer.add_columns(
+        0, "warm-up", 0, pa.array([0], pa.int32()), pa.array([b"k"]), None, pa.array([b"v"])
+    )
+    for kind in (KIND_BYTES, KIND_INT64, KIND_FLOAT64):
+        rows = _WARM_UP_ROWS if kind == KIND_INT64 else 1
+        records = RecordColumns(rows, 1 << 30, KIND_BYTES, kind)
+        value = {KIND_BYTES: b"v", KIND_INT64: 1}.get(kind, 0.5)
+        for i in range(rows):
+            records.append_typed(
+                1, (i * 0x9E3779B97F4A7C15 % (1 << 64)).to_bytes(8, "little"), i % 128, b"u", value
+            )
+        taken = records.take()
+        assert taken is not None
+        buffer.add_records(0, "warm-up", taken)
+    buffer.seal()
+    return [PendingBlock("warm-up", 0, 1, buffer)]
+
+
+_WARM_UP_ROWS = 32_768
+"""Rows in the warm-up segment: about a pre-emptive upload's, so the memory pool and the
+compressor have grown to what the first real segment needs."""
+
+_warmed = False
+_warm_lock = threading.Lock()
+
+
+def warm_up_here() -> None:
+    """Encode :func:`warm_up_blocks` in this process, once per process (later calls
+    return at once). Any thread; the changelog storage's upload thread calls it when it
+    starts, so a barrier's first segment is not the one that pays for it.
+
+    Why: pyarrow sets up some of what the first segment needs on first use. It imports
+    pandas at its first conversion of a Python list (150 ms on an idle machine), and its
+    first segment of 40k changes took 46 ms against 7 ms for the next ones even then
+    (Parquet writer, compressor, memory pool). Paid by a request made right after the
+    start, while the task was busy: at 100k keys the lane's first upload took 0.69 s,
+    and the first checkpoint's own part 632 ms.
+    """
+    global _warmed
+    with _warm_lock:
+        if not _warmed:
+            encode_here(warm_up_blocks())
+            _warmed = True
+
+
+def _warm_up() -> None:
+    """The helper's :func:`warm_up_here`: through the wire format too, before the
+    first request (the helper starts with the changelog storage)."""
+    parts, _ = _request([warm_up_blocks()])
+    payload = pa.py_buffer(b"".join(parts[2:]))
+    hashlib.sha256(encode_segment(_blocks(json.loads(parts[1]), payload))).digest()
 
 
 def _serve(rfd: int, wfd: int) -> None:
@@ -415,8 +566,13 @@ def _serve(rfd: int, wfd: int) -> None:
         if payload.size:
             _read_exact(rfd, memoryview(payload).cast("B"))
         try:
-            segment = encode_segment(_blocks(meta, payload))
-            data, status = segment + hashlib.sha256(segment).digest(), _OK
+            blocks = iter(_blocks(meta, payload))
+            replies = []
+            for count in meta["segments"]:
+                segment = encode_segment(list(itertools.islice(blocks, count)))
+                digest = hashlib.sha256(segment).digest()
+                replies += [len(segment).to_bytes(8, "little"), segment, digest]
+            data, status = b"".join(replies), _OK
         except Exception as exc:  # reported; the parent encodes again and raises it
             data, status = f"{type(exc).__name__}: {exc}".encode(), _FAILED
         _write_all(wfd, status.to_bytes(8, "little") + len(data).to_bytes(8, "little"))

@@ -15,7 +15,7 @@ import pytest
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.buffer import ChangeBuffer
 from dstl.changelog import ChangelogOptions, _Lane, _Request, _segments
-from dstl.encoder import SegmentEncoder
+from dstl.encoder import EncodedSegment, PendingBlock, SegmentEncoder, encode_here
 from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
 from tests.dstl.faults import STALL_LIMIT_S, FaultyFileIO
@@ -372,20 +372,67 @@ def test_a_failed_upload_at_the_boundary_still_ends_its_segment_when_retried(
         assert _rows(faulty, (old,)) == [b"old"] and _rows(faulty, (new,)) == [b"new"]
 
 
-def test_the_lane_ends_a_batch_at_a_request_that_ends_its_segment() -> None:
-    """Pre-emptive uploads queued behind a slow one are batched into one segment, but
-    never across a materialization's boundary."""
+def test_the_lane_takes_its_backlog_across_segment_ends() -> None:
+    """Pre-emptive uploads queued behind a slow one are taken in one step, up to the
+    batch size, and split into segments at materializations' boundaries only."""
     lane = _Lane(max_bytes=1 << 20)
     reqs = [_request(sqn, ends_segment=sqn == 1) for sqn in range(4)]
     lane.put(reqs)
-    first = lane.take()
+    taken = lane.take()
     lane.done()
-    assert first is not None and [r.sqn_start for r in first] == [0, 1]
-    rest = lane.take()
-    lane.done()
-    assert rest is not None and [r.sqn_start for r in rest] == [2, 3]
+    assert taken is not None and [r.sqn_start for r in taken] == [0, 1, 2, 3]
     assert [[r.sqn_start for r in s] for s in _segments(reqs)] == [[0, 1], [2, 3]]
     assert [[r.sqn_start for r in s] for s in _segments(reqs[:2])] == [[0, 1]]
+    small = _Lane(max_bytes=1)  # over the batch size: one at a time, at least one
+    small.put(reqs[:2])
+    assert [r.sqn_start for r in small.take() or []] == [0]
+
+
+def test_a_backlog_of_segments_is_encoded_in_one_round_trip_a_file_each(
+    fileio: FileIO,
+) -> None:
+    """The lane's step (and a barrier taking its backlog along) sends every segment it
+    uploads to the encoder in one round trip: a round trip per segment capped the lane
+    at one segment per step while materializations cut one up to 20 times a second."""
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        trips: list[int] = []
+        real = st._encoder.encode_many
+
+        def counted(segments: list[list[PendingBlock]]) -> list[EncodedSegment]:
+            trips.append(len(segments))
+            return real(segments)
+
+        st._encoder.encode_many = counted  # type: ignore[method-assign]
+        w = st.create_writer("a")
+        for n in range(3):  # three materializations' boundaries: three segments
+            for i in range(10):
+                w.append(0, "s", 1, b"k", None, b"%d-%d" % (n, i) * 50)
+            w.cut()
+        assert st._queue.qsize() == 3
+        st.drain_once(block=False)
+        handles = [u.future.result(timeout=10) for u in w._uploads]
+        assert trips == [3] and st.segments_written == 3
+        assert len({h.location for h in handles}) == 3
+        rows = _rows(fileio, tuple(handles))
+        assert rows == [b"%d-%d" % (n, i) * 50 for n in range(3) for i in range(10)]
+        assert w._uploads[-1].timings["upload_segments"] == 3
+
+
+def test_a_segment_that_cannot_be_encoded_fails_alone(fileio: FileIO) -> None:
+    with ChangelogStorage(fileio, "job", "w0", start_thread=False) as st:
+        empty = ChangeBuffer()
+        empty.seal()
+        bad = _Request("a", 1, 2, empty, Future(), {}, urgent=False)
+        segments = [[_request(0, False)], [bad], [_request(2, False)]]
+        first, failed, last = st._encode(segments)
+        assert isinstance(failed, ValueError) and "empty block" in str(failed)
+        assert isinstance(first, EncodedSegment) and isinstance(last, EncodedSegment)
+        assert bytes(first.data) == encode_here(_pending(segments[0])).data
+
+
+def _pending(batch: list[_Request]) -> list[PendingBlock]:
+    return [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
 
 
 def _request(sqn: int, ends_segment: bool) -> _Request:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -20,6 +21,8 @@ from dstl.buffer import ChangeBuffer
 from dstl.encoder import PendingBlock, SegmentEncoder, shared_encoder
 from dstl.integrity import content_hash
 from dstl.segment import SegmentReader, encode_segment
+
+READY = "import os, sys, time; os.write(1, b'R')"  # what a helper says once warmed up
 
 
 def _changes(seed: int) -> ChangeBuffer:
@@ -66,6 +69,7 @@ def _in_process(blocks: list[PendingBlock]) -> bytes:
 @pytest.fixture
 def encoder() -> Iterator[SegmentEncoder]:
     enc = SegmentEncoder(timeout_s=30)
+    assert enc.wait_ready(60)  # before: encoded here (see the test of an unready helper)
     yield enc
     enc.close()
 
@@ -76,13 +80,49 @@ def test_the_helper_writes_the_bytes_encode_segment_writes(encoder: SegmentEncod
     data = bytes(segment.data)
     assert data == _in_process(blocks)
     assert segment.content_hash == content_hash(data)  # hashed in the helper, what restore checks
-    assert (encoder.started, encoder.fallbacks) == (1, 0)
+    assert (encoder.started, encoder.fallbacks, encoder.unready) == (1, 0, 0)
     reader = SegmentReader(data, "mem")
     table = reader.read_block(0, "a")
     assert table.num_rows == blocks[0].changes.rows
     assert table["value"].null_count == 100  # the record buffer's nulls survived
     assert bytes(encoder.encode(blocks[1:]).data) == _in_process(blocks[1:])  # the helper is reused
     assert encoder.started == 1
+
+
+def test_several_segments_in_one_round_trip_are_the_bytes_each_alone_writes(
+    encoder: SegmentEncoder,
+) -> None:
+    a, b = _blocks()
+    c = PendingBlock("c", 9, 12, _changes(5))
+    segments = [[a], [b, c], [c]]
+    got = encoder.encode_many(segments)
+    assert [bytes(s.data) for s in got] == [_in_process(blocks) for blocks in segments]
+    assert [s.content_hash for s in got] == [content_hash(bytes(s.data)) for s in got]
+    assert (encoder.started, encoder.fallbacks) == (1, 0)
+    with pytest.raises(ValueError, match="at least one block"):
+        encoder.encode_many([[a], []])
+
+
+@pytest.mark.parametrize("extra", [b"", b"x"], ids=["one-segment-short", "trailing-byte"])
+def test_a_reply_of_the_wrong_shape_falls_back_and_replaces_the_helper(
+    extra: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper that answers "ok" with one segment for a request of two (or with bytes
+    after them) is not trusted: both are encoded here, and it is stopped."""
+    one = b"s" * 10
+    body = len(one).to_bytes(8, "little") + one + bytes(32) + extra
+    reply = (0).to_bytes(8, "little") + len(body).to_bytes(8, "little") + body
+    helper = f"{READY}; sys.stdin.buffer.read(8); os.write(1, {reply!r}); sys.stdin.buffer.read()"
+    monkeypatch.setattr(encoder_module, "_helper_argv", lambda: [sys.executable, "-c", helper])
+    enc = SegmentEncoder(timeout_s=10)
+    try:
+        assert enc.wait_ready(10)
+        a, b = _blocks()
+        got = enc.encode_many([[a], [b]])
+        assert [bytes(s.data) for s in got] == [_in_process([a]), _in_process([b])]
+        assert enc.fallbacks == 1 and enc.pid is None
+    finally:
+        enc.close()
 
 
 def test_a_helper_killed_between_requests_is_replaced(encoder: SegmentEncoder) -> None:
@@ -101,9 +141,9 @@ def test_a_helper_killed_between_requests_is_replaced(encoder: SegmentEncoder) -
 @pytest.mark.parametrize(
     "helper",
     [
-        "import sys; sys.stdin.buffer.read(8)",  # exits mid-request
-        "import sys, time; sys.stdin.buffer.read(8); time.sleep(60)",  # hangs
-        "import sys, os; sys.stdin.buffer.read(8); os.write(1, b'\\xff' * 16)",  # garbage
+        f"{READY}; sys.stdin.buffer.read(8)",  # exits mid-request
+        f"{READY}; sys.stdin.buffer.read(8); time.sleep(60)",  # hangs
+        f"{READY}; sys.stdin.buffer.read(8); os.write(1, b'\\xff' * 16)",  # garbage
     ],
     ids=["exits", "hangs", "garbage"],
 )
@@ -113,11 +153,45 @@ def test_a_broken_helper_falls_back_to_encoding_here(
     monkeypatch.setattr(encoder_module, "_helper_argv", lambda: [sys.executable, "-c", helper])
     enc = SegmentEncoder(timeout_s=2)
     try:
+        assert enc.wait_ready(10)
         blocks = _blocks()
         segment = enc.encode(blocks)
         assert bytes(segment.data) == _in_process(blocks)
         assert segment.content_hash == content_hash(bytes(segment.data))  # hashed here instead
         assert enc.fallbacks == 1 and enc.pid is None  # the broken helper was stopped
+    finally:
+        enc.close()
+
+
+def test_until_the_helper_is_warmed_up_segments_are_encoded_here(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A request sent while the helper imports and warms up (0.2-0.9 s) waited for it:
+    the first checkpoint after a start took 0.9 s. The caller encodes it instead, and
+    the helper is not sent a byte until it says it is ready."""
+    got = tmp_path / "stdin"
+    helper = f"import sys; open({str(got)!r}, 'wb').write(sys.stdin.buffer.read())"
+    monkeypatch.setattr(encoder_module, "_helper_argv", lambda: [sys.executable, "-c", helper])
+    enc = SegmentEncoder(timeout_s=2)
+    try:
+        blocks = _blocks()
+        assert bytes(enc.encode(blocks).data) == _in_process(blocks)
+        assert bytes(enc.encode_many([blocks[:1]])[0].data) == _in_process(blocks[:1])
+        assert (enc.unready, enc.fallbacks, enc.started) == (2, 0, 1)
+        assert enc.pid is not None and not enc.wait_ready(0.1)  # kept: not failed
+    finally:
+        enc.close()  # its input ends: it writes down what it was sent
+    assert got.read_bytes() == b""
+
+
+def test_a_helper_that_starts_with_another_byte_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    helper = "import os, time; os.write(1, b'?'); time.sleep(60)"
+    monkeypatch.setattr(encoder_module, "_helper_argv", lambda: [sys.executable, "-c", helper])
+    enc = SegmentEncoder(timeout_s=2)
+    try:
+        assert not enc.wait_ready(10) and enc.pid is None
     finally:
         enc.close()
 
@@ -144,6 +218,7 @@ def test_a_forked_child_starts_its_own_helper() -> None:
         code = 1
         try:
             child = shared_encoder()
+            child.wait_ready(60)
             blocks = _blocks()
             ok = child is not parent_helper and bytes(child.encode(blocks).data) == _in_process(
                 blocks
@@ -197,7 +272,7 @@ def test_a_helper_whose_parent_went_away_exits_quietly(cut: str) -> None:
     """A worker killed mid-request closes the helper's pipes: the helper's reply meets a
     broken pipe, or its request ends early. It exits without a traceback on the stderr
     it shares with the worker."""
-    parts, _ = encoder_module._request(_blocks())
+    parts, _ = encoder_module._request([_blocks()])
     request = b"".join(bytes(p) for p in parts)
     helper = subprocess.Popen(
         encoder_module._helper_argv(),
@@ -206,6 +281,7 @@ def test_a_helper_whose_parent_went_away_exits_quietly(cut: str) -> None:
         stderr=subprocess.PIPE,
     )
     assert helper.stdin is not None and helper.stdout is not None
+    assert helper.stdout.read(1) == b"R"  # warmed up
     helper.stdout.close()  # nobody reads the reply
     helper.stdin.write(request if cut == "reply" else request[: len(request) // 2])
     helper.stdin.close()
@@ -214,3 +290,16 @@ def test_a_helper_whose_parent_went_away_exits_quietly(cut: str) -> None:
     helper.stderr.close()
     assert helper.wait(timeout=60) == 0
     assert err == b""
+
+
+def test_the_warm_up_segment_has_a_chunk_of_every_kind_and_a_real_size() -> None:
+    """What the helper (and the upload thread, once per process) encodes before its
+    first segment: every path a real one may take, at about a pre-emptive upload's
+    size, so the first real one finds them set up."""
+    (block,) = encoder_module.warm_up_blocks()
+    kinds = {len(chunk) for chunk in block.changes.chunks}
+    assert kinds == {3, 5, 9}  # single records, a record buffer's columns, Arrow columns
+    assert block.changes.nbytes > 512 * 1024
+    assert encoder_module.encode_here([block]).data
+    encoder_module.warm_up_here()
+    assert encoder_module._warmed

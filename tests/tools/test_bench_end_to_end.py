@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.bench.end_to_end import _cpu_facts, _headline
+from tools.bench.end_to_end import _cpu_facts, _headline, _own_steps
 
 
 def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **kw: Any) -> dict:
@@ -83,3 +83,14 @@ def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
     }
     assert _cpu_facts(samples, 0)["child_cpu_per_mat_s"] == 1.2  # no division by zero
     assert _cpu_facts([{"t": 1.0, "n": 0}, {"t": 2.0, "n": 5}], 3) == {}  # an older worker
+
+
+def test_own_steps_report_the_blocks_a_barriers_upload_took_along() -> None:
+    def checkpoint(i: int, blocks: int) -> dict[str, Any]:
+        operator = {"async_ms": 10.0 + i, "encode_ms": 5.0, "upload_blocks": blocks}
+        return {"id": i, "operator": operator, "commit_ms": 1.0}
+
+    steps = _own_steps([checkpoint(i, b) for i, b in enumerate([1, 1, 1, 9])], [])
+    assert steps["operator.upload_blocks"] == {"p50": 1, "max": 9}
+    assert steps["operator.encode_ms"] == {"p50": 5.0, "p99": 5.0}
+    assert steps["own_p99_ms"] == 14.0  # async 13 + commit 1

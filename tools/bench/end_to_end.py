@@ -579,6 +579,11 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
         if values:
             key = f"{where}.{name}"
             out[key] = {"p50": round(_pct(values, 0.5), 1), "p99": round(_pct(values, 0.99), 1)}
+    # Not in ms: the blocks the barrier's upload wrote, its own and those still waiting
+    # for the pre-emptive lane (its backlog, taken along).
+    blocks = [r["upload_blocks@operator"] for r in rows if "upload_blocks@operator" in r]
+    if blocks:
+        out["operator.upload_blocks"] = {"p50": _pct(blocks, 0.5), "max": max(blocks)}
     return out
 
 
