@@ -598,3 +598,25 @@ def test_a_preemptive_upload_failed_on_the_lane_is_uploaded_again_by_the_persist
         rows = _rows(fio, handles)
         assert rows[-1] == b"tail" and len(rows) == 61
         assert st.budget.used == 0
+
+
+def test_the_lane_uploads_with_short_gil_slices(tmp_path: Path) -> None:
+    """Each of its GIL hand-backs (after the round trip, after the write) waited up to
+    a switch interval beside a busy task: the lane fell behind at 1M keys."""
+    import sys
+
+    from dstl import gil
+
+    before = sys.getswitchinterval()
+    fio = FaultyFileIO(str(tmp_path))
+    fio.script("stall")  # the pre-emptive segment's write
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fio, "job", "w0", opts) as st:
+        w = st.create_writer("a")
+        for i in range(60):  # over the threshold: a pre-emptive upload, on the lane
+            w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
+        assert fio.stalled.wait(STALL_LIMIT_S)
+        assert sys.getswitchinterval() == pytest.approx(min(before, gil.GIL_SLICE_S))
+        fio.release.set()
+        w._uploads[0].future.result(timeout=STALL_LIMIT_S)
+    assert sys.getswitchinterval() == pytest.approx(before)  # the lane is joined
