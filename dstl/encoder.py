@@ -15,7 +15,9 @@ Nothing is lost when the helper is not there: if it cannot be started, dies, han
 ``timeout_s`` or reports an error, the blocks are encoded in the calling thread instead
 (a data error then raises exactly as :func:`encode_segment` raises it) and the failure is
 logged. A helper that did not answer is killed, and the next call starts a new one; one
-that reported an error answered properly and is kept.
+that reported an error answered properly and is kept. Nothing waits for a helper that is
+still starting either: it warms up first (:func:`_warm_up`), says so with one byte, and
+until then the calling thread encodes.
 
 Wire format (private to this module, both ends are this file): a request is an 8-byte
 little-endian length, that many bytes of JSON describing the blocks (writer, sqn range,
