@@ -33,11 +33,11 @@ from backends.serializers import Serializer, decode_column, unpack_list
 from backends.state import MAP_LIKE, Op, StateKind, StateMeta
 from backends.tables import Runs, parquet_to_table, table_entries, table_meta
 from backends.wrappers import alive
-from dstl.changelog import read_changes
 from dstl.errors import CorruptionError, SchemaMismatchError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
 from dstl.integrity import read_verified
+from dstl.read import read_changes
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,10 @@
 Knows nothing of state types, RocksDB or checkpoints.
 """
 
-from dstl.changelog import ChangelogOptions, ChangelogStorage, ChangelogWriter, read_changes
+from dstl.changelog import ChangelogOptions, ChangelogStorage, ChangelogWriter
 from dstl.fileio import FileInfo, FileIO
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json, register_handle
+from dstl.read import read_changes
 from dstl.retry import InFlightBudget, ManualClock, RetryPolicy, SystemClock
 
 __all__ = [

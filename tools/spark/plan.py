@@ -41,12 +41,12 @@ from backends.serializers import Serializer, serializer_for
 from backends.state import Op, StateMeta
 from backends.tables import parquet_to_table, table_meta
 from coordinator.metadata import CompletedCheckpoint, MetadataStore
-from dstl.changelog import read_changes
 from dstl.errors import CheckpointNotFoundError, ConfigError
 from dstl.fileio import FileIO
 from dstl.handles import ChangelogHandle
 from dstl.integrity import read_verified
 from dstl.layout import plain_name
+from dstl.read import read_changes
 from tools.cli.common import open_metadata, resolve_checkpoint
 from tools.restore import plan_restore
 from tools.spark.options import ReadOptions
