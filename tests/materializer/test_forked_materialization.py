@@ -124,12 +124,14 @@ def test_changelog_off_checkpoints_fork_too(tmp_path: Path) -> None:
 
 
 def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
-    storage: tuple[FileIO, ChangelogStorage], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A copied snapshot's pieces are encoded on the upload thread, and a small state's
     materialization time bounds its full size: short slices
     (:data:`dstl.gil.GIL_SLICE_S`). A large state's forked child runs in the background,
-    and its upload, which only moves bytes, at the process's own switch interval."""
+    and its upload, which only moves bytes, at the process's own switch interval.
+    (The changelog runs no threads here: its pre-emptive lane uploads with short slices
+    too, and the interval is the process's.)"""
     import sys
 
     import backends.forked as forked_mod
@@ -144,7 +146,8 @@ def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
         return real(self, snapshot, *args)
 
     monkeypatch.setattr(materializer_mod.Materializer, "_pieces", spy)
-    fileio, st = storage
+    fileio = FileIO(str(tmp_path / "store"))
+    st = ChangelogStorage(fileio, "job", "w0", start_thread=False)
     for keys, large in ((1000, False), (KEYS, False), (KEYS, True)):
         if large:
             monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
@@ -154,6 +157,7 @@ def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
             b.set_current_key(i)
             count.update(i)
         Materializer(b, fileio, JOB, f"op-{keys}-{large}", 0).materialize_now()
+    st.close()
     own = sys.getswitchinterval()
     assert own > GIL_SLICE_S
     assert seen == [
