@@ -813,22 +813,17 @@ class ChangelogStorage:
         A barrier's upload is encoded here when it is small (no helper round trip while
         it waits: the helper may be busy, or still starting); otherwise, and for the
         lane, every segment goes to the helper, all in one round trip."""
-        urgent = any(r.urgent for batch in segments for r in batch)
-        here = urgent and sum(r.nbytes for batch in segments for r in batch) <= ENCODE_HERE_BYTES
-        results: dict[int, EncodedSegment | Exception] = {}
-        far: dict[int, list[PendingBlock]] = {}
-        for i, batch in enumerate(segments):
-            pending = [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
-            if here:
-                results[i] = _encoded_here(pending)
-            else:
-                far[i] = pending
-        if far:
-            try:
-                results.update(zip(far, self._encoder.encode_many(list(far.values())), strict=True))
-            except _DATA_ERRORS:  # which one? each by itself: the others still upload
-                results.update((i, _encoded_here(pending)) for i, pending in far.items())
-        return [results[i] for i in range(len(segments))]
+        pending = [
+            [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
+            for batch in segments
+        ]
+        requests = [r for batch in segments for r in batch]
+        if any(r.urgent for r in requests) and sum(r.nbytes for r in requests) <= ENCODE_HERE_BYTES:
+            return [_encoded_here(blocks) for blocks in pending]
+        try:
+            return list(self._encoder.encode_many(pending))  # typed as the union (invariant)
+        except _DATA_ERRORS:  # which one? each by itself: the others still upload
+            return [_encoded_here(blocks) for blocks in pending]
 
     def _write_segment(
         self,
@@ -838,37 +833,23 @@ class ChangelogStorage:
     ) -> None:
         """Write one encoded segment (or fail its requests with the error that failed its
         encoding or write); fill its requests' timings, then complete their futures."""
-        blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
-        write: HedgedWrite | None = None
+        if isinstance(encoded, Exception):
+            self._fail_segment(batch, encoded, 0)
+            return
+        data = encoded.data
+        write = HedgedWrite(
+            self._write_attempt,
+            self.fileio.delete,
+            self._new_path,
+            data,
+            self._policy,
+            self._clock,
+            self._attempts if self.fileio.hedged else None,
+        )
         try:
-            if isinstance(encoded, Exception):
-                raise encoded
-            data = encoded.data
-            write = HedgedWrite(
-                self._write_attempt,
-                self.fileio.delete,
-                self._new_path,
-                data,
-                self._policy,
-                self._clock,
-                self._attempts if self.fileio.hedged else None,
-            )
             path = write.run()
         except (StorageError, *_DATA_ERRORS) as exc:
-            attempts = write.attempts if write is not None else 0
-            log.warning(
-                "segment upload failed worker=%s attempts=%d error=%s", self.worker, attempts, exc
-            )
-            err = UploadFailedError(
-                f"changelog segment upload failed after {attempts} attempt(s) ({exc})",
-                getattr(exc, "location", None),
-                attempts,
-            )
-            err.__cause__ = exc
-            self._tracker.upload_failed(blocks)  # before the futures: see dstl.tracking
-            self.budget.release(sum(r.nbytes for r in batch))
-            for r in batch:
-                r.future.set_exception(err)
+            self._fail_segment(batch, exc, write.attempts)
             return
         written = time.perf_counter()
         with self._lock:
@@ -893,7 +874,9 @@ class ChangelogStorage:
                 upload_segments=times.segments,
                 upload_blocks=times.blocks,
             )
-        deletable = self._tracker.uploaded(path, blocks)
+        deletable = self._tracker.uploaded(
+            path, [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
+        )
         self.budget.release(sum(r.nbytes for r in batch))
         for i, r in enumerate(batch):
             r.future.set_result(
@@ -909,6 +892,23 @@ class ChangelogStorage:
                 )
             )
         self._delete(deletable)
+
+    def _fail_segment(self, batch: list[_Request], exc: Exception, attempts: int) -> None:
+        """Fail the requests of a segment that could not be encoded or written."""
+        log.warning(
+            "segment upload failed worker=%s attempts=%d error=%s", self.worker, attempts, exc
+        )
+        err = UploadFailedError(
+            f"changelog segment upload failed after {attempts} attempt(s) ({exc})",
+            getattr(exc, "location", None),
+            attempts,
+        )
+        err.__cause__ = exc
+        blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
+        self._tracker.upload_failed(blocks)  # before the futures: see dstl.tracking
+        self.budget.release(sum(r.nbytes for r in batch))
+        for r in batch:
+            r.future.set_exception(err)
 
     def _delete(self, paths: Iterable[str]) -> None:
         """Delete ``paths`` (decided already: see :mod:`dstl.tracking`) on the deleter

@@ -554,8 +554,18 @@ def _warm_up() -> None:
     """The helper's :func:`warm_up_here`: through the wire format too, before the
     first request (the helper starts with the changelog storage)."""
     parts, _ = _request([warm_up_blocks()])
-    payload = pa.py_buffer(b"".join(parts[2:]))
-    hashlib.sha256(encode_segment(_blocks(json.loads(parts[1]), payload))).digest()
+    _reply(json.loads(parts[1]), pa.py_buffer(b"".join(parts[2:])))
+
+
+def _reply(meta: dict[str, Any], payload: pa.Buffer) -> bytes:
+    """A successful reply's bytes: each segment of the request, encoded, with its length
+    and SHA-256 (see the module doc)."""
+    blocks = iter(_blocks(meta, payload))
+    replies = []
+    for count in meta["segments"]:
+        segment = encode_segment(list(itertools.islice(blocks, count)))
+        replies += [len(segment).to_bytes(8, "little"), segment, hashlib.sha256(segment).digest()]
+    return b"".join(replies)
 
 
 def _serve(rfd: int, wfd: int) -> None:
@@ -568,13 +578,7 @@ def _serve(rfd: int, wfd: int) -> None:
         if payload.size:
             _read_exact(rfd, memoryview(payload).cast("B"))
         try:
-            blocks = iter(_blocks(meta, payload))
-            replies = []
-            for count in meta["segments"]:
-                segment = encode_segment(list(itertools.islice(blocks, count)))
-                digest = hashlib.sha256(segment).digest()
-                replies += [len(segment).to_bytes(8, "little"), segment, digest]
-            data, status = b"".join(replies), _OK
+            data, status = _reply(meta, payload), _OK
         except Exception as exc:  # reported; the parent encodes again and raises it
             data, status = f"{type(exc).__name__}: {exc}".encode(), _FAILED
         _write_all(wfd, status.to_bytes(8, "little") + len(data).to_bytes(8, "little"))
