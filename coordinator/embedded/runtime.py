@@ -35,7 +35,7 @@ from coordinator.checkpoint import CheckpointCoordinator
 from coordinator.compactions import RegisteredCompaction
 from coordinator.embedded.channel_state import ChannelState, read_channel_state
 from coordinator.embedded.gate import DebloatOptions, InputGate
-from coordinator.embedded.gcfreeze import frozen_heap
+from coordinator.embedded.gcpolicy import job_gc_policy
 from coordinator.embedded.operators import KeyedOperator, Notify, Operator, SinkOperator
 from coordinator.embedded.pipeline import JobGraph, KeyedNode, SinkNode, SourceNode
 from coordinator.embedded.tasks import Finish, JobEnv, SourceTask, Stop, StreamTask, Trigger
@@ -207,7 +207,7 @@ class EmbeddedRuntime:
         with self._lock:
             self._coordinator = job.coordinator
         try:
-            with frozen_heap():  # restored, imported: out of the GC's full passes
+            with job_gc_policy():  # restored, imported: frozen; young collections rarer
                 job.start()
                 self._loop(job)
         finally:
