@@ -813,10 +813,7 @@ class ChangelogStorage:
         A barrier's upload is encoded here when it is small (no helper round trip while
         it waits: the helper may be busy, or still starting); otherwise, and for the
         lane, every segment goes to the helper, all in one round trip."""
-        pending = [
-            [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
-            for batch in segments
-        ]
+        pending = [_pending(batch) for batch in segments]
         requests = [r for batch in segments for r in batch]
         if any(r.urgent for r in requests) and sum(r.nbytes for r in requests) <= ENCODE_HERE_BYTES:
             return [_encoded_here(blocks) for blocks in pending]
@@ -874,9 +871,7 @@ class ChangelogStorage:
                 upload_segments=times.segments,
                 upload_blocks=times.blocks,
             )
-        deletable = self._tracker.uploaded(
-            path, [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
-        )
+        deletable = self._tracker.uploaded(path, _block_ids(batch))
         self.budget.release(sum(r.nbytes for r in batch))
         for i, r in enumerate(batch):
             r.future.set_result(
@@ -904,8 +899,7 @@ class ChangelogStorage:
             attempts,
         )
         err.__cause__ = exc
-        blocks = [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
-        self._tracker.upload_failed(blocks)  # before the futures: see dstl.tracking
+        self._tracker.upload_failed(_block_ids(batch))  # before the futures: see dstl.tracking
         self.budget.release(sum(r.nbytes for r in batch))
         for r in batch:
             r.future.set_exception(err)
@@ -1036,6 +1030,16 @@ class _UploadTimes:
 
 _DATA_ERRORS = (ValueError, pa.ArrowException)
 """What encoding raises for changes it cannot encode (the upload fails, nothing else)."""
+
+
+def _pending(batch: list[_Request]) -> list[PendingBlock]:
+    """What the encoder takes of ``batch``: each request's block of changes."""
+    return [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
+
+
+def _block_ids(batch: list[_Request]) -> list[tuple[str, int, int]]:
+    """How :mod:`dstl.tracking` names the blocks of ``batch``."""
+    return [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
 
 
 def _encoded_here(blocks: list[PendingBlock]) -> EncodedSegment | Exception:

@@ -14,7 +14,7 @@ import pytest
 
 from dstl import ChangelogStorage, FileIO, read_changes
 from dstl.buffer import ChangeBuffer
-from dstl.changelog import ChangelogOptions, _Lane, _Request, _segments
+from dstl.changelog import ChangelogOptions, _Lane, _pending, _Request, _segments
 from dstl.encoder import EncodedSegment, PendingBlock, SegmentEncoder, encode_here
 from dstl.errors import ConfigError, CorruptionError, StateBackendError, StorageConflictError
 from dstl.handles import ChangelogHandle, handle_from_json, handle_to_json
@@ -429,10 +429,6 @@ def test_a_segment_that_cannot_be_encoded_fails_alone(fileio: FileIO) -> None:
         assert isinstance(failed, ValueError) and "empty block" in str(failed)
         assert isinstance(first, EncodedSegment) and isinstance(last, EncodedSegment)
         assert bytes(first.data) == encode_here(_pending(segments[0])).data
-
-
-def _pending(batch: list[_Request]) -> list[PendingBlock]:
-    return [PendingBlock(r.writer_id, r.sqn_start, r.sqn_end, r.changes) for r in batch]
 
 
 def _request(sqn: int, ends_segment: bool) -> _Request:

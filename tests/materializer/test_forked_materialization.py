@@ -147,17 +147,16 @@ def test_only_a_background_child_s_upload_keeps_the_task_s_gil_slices(
 
     monkeypatch.setattr(materializer_mod.Materializer, "_pieces", spy)
     fileio = FileIO(str(tmp_path / "store"))
-    st = ChangelogStorage(fileio, "job", "w0", start_thread=False)
-    for keys, large in ((1000, False), (KEYS, False), (KEYS, True)):
-        if large:
-            monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
-        b = ChangelogKeyedStateBackend(_heap(), st.create_writer(f"op-{keys}-{large}"))
-        count = b.get_state(ValueStateDescriptor("count", INT64))
-        for i in range(keys):
-            b.set_current_key(i)
-            count.update(i)
-        Materializer(b, fileio, JOB, f"op-{keys}-{large}", 0).materialize_now()
-    st.close()
+    with ChangelogStorage(fileio, "job", "w0", start_thread=False) as st:
+        for keys, large in ((1000, False), (KEYS, False), (KEYS, True)):
+            if large:
+                monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
+            b = ChangelogKeyedStateBackend(_heap(), st.create_writer(f"op-{keys}-{large}"))
+            count = b.get_state(ValueStateDescriptor("count", INT64))
+            for i in range(keys):
+                b.set_current_key(i)
+                count.update(i)
+            Materializer(b, fileio, JOB, f"op-{keys}-{large}", 0).materialize_now()
     own = sys.getswitchinterval()
     assert own > GIL_SLICE_S
     assert seen == [
