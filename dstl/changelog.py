@@ -32,6 +32,7 @@ not-yet-truncated range may still need it; closing deletes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -58,6 +59,7 @@ from dstl.errors import ConfigError, StateBackendError, StorageError, UploadFail
 from dstl.fileio import FileIO, translate_error
 from dstl.gil import GIL_SLICE_S, close_critical, critical_section, open_critical, short_gil_slices
 from dstl.handles import ChangelogHandle
+from dstl.pages import small_pages
 from dstl.retry import Clock, HedgedWrite, InFlightBudget, RetryPolicy, as_clock
 from dstl.tracking import SegmentTracker
 
@@ -554,6 +556,9 @@ class ChangelogStorage:
         self.segments_written = 0
         self.segments_deleted = 0
         self.upload_attempts = 0
+        # no huge pages while it is open (why: dstl.pages); the helper inherits it
+        self._pages = contextlib.ExitStack()
+        self._pages.enter_context(small_pages())
         self._encoder = shared_encoder()  # a helper process, off this process's GIL
         self._encoder.start()
         self._attempts = ThreadPoolExecutor(
@@ -959,6 +964,7 @@ class ChangelogStorage:
                 if self._queue.empty():
                     break
         self._attempts.shutdown(wait=True)
+        self._pages.close()
 
 
 class _Lane:

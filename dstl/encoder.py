@@ -53,6 +53,7 @@ from dstl._durable import exchange
 from dstl._records import KIND_BYTES, KIND_FLOAT64, KIND_INT64, RecordColumns
 from dstl.buffer import ChangeBuffer
 from dstl.integrity import content_hash
+from dstl.pages import disable_huge_pages
 from dstl.segment import BLOCK_SCHEMA, Block, encode_segment
 
 log = logging.getLogger(__name__)
@@ -494,6 +495,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
     rfd, wfd = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # a stray print must not corrupt the replies
+    disable_huge_pages()  # see dstl.pages
     _warm_up()
     with contextlib.suppress(BrokenPipeError, EOFError):  # no traceback on its stderr
         _write_all(wfd, _READY)
