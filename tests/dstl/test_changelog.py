@@ -425,7 +425,7 @@ def test_a_segment_that_cannot_be_encoded_fails_alone(fileio: FileIO) -> None:
         empty.seal()
         bad = _Request("a", 1, 2, empty, Future(), {}, urgent=False)
         segments = [[_request(0, False)], [bad], [_request(2, False)]]
-        first, failed, last = st._encode(segments)
+        first, failed, last = st._encode(segments, False)
         assert isinstance(failed, ValueError) and "empty block" in str(failed)
         assert isinstance(first, EncodedSegment) and isinstance(last, EncodedSegment)
         assert bytes(first.data) == encode_here(_pending(segments[0])).data
@@ -574,6 +574,62 @@ def test_a_barriers_upload_does_not_queue_behind_a_preemptive_one(tmp_path: Path
         assert rows[-1] == b"tail" and len(rows) == 121
         st.close()  # joins the lane: every callback has run
         assert critical not in gil._critical
+
+
+def test_a_persist_with_nothing_of_its_own_takes_the_lanes_backlog(tmp_path: Path) -> None:
+    """The barrier came right after a pre-emptive upload: the persist has nothing to
+    upload itself, and its upload thread takes the pre-emptive request still waiting for
+    the lane (here: behind a stalled one) and writes it as a barrier's, the tasks
+    standing aside until everything the persist waits for is durable."""
+    from dstl import gil
+
+    fio = FaultyFileIO(str(tmp_path))
+    fio.script("stall")  # the first pre-emptive segment's write
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fio, "job", "w0", opts) as st:
+        w = st.create_writer("a")
+        i = 0
+        while len(w._uploads) < 2:  # the last append hands the buffer over
+            w.append(0, "s", 1, b"k", None, b"%03d" % i * 30)
+            i += 1
+            if len(w._uploads) == 1:
+                assert fio.stalled.wait(STALL_LIMIT_S)
+        assert not len(w._buffer)
+        persisted = w.persist(0, 1)
+        with gil._critical_cond:
+            (critical,) = (t for t, (owner, _) in gil._critical.items() if owner is None)
+        second = w._uploads[1].future.result(timeout=STALL_LIMIT_S)  # beside the stall
+        assert not persisted.done() and critical in gil._critical
+        assert w._uploads[1].timings["encode_cpu_ms"] > 0  # encoded here, not by the helper
+        fio.release.set()
+        handles = persisted.result(timeout=STALL_LIMIT_S)
+        assert handles[-1] == second and len(fio.writes) == 2
+        assert len(_rows(fio, handles)) == i
+        st.close()
+        assert critical not in gil._critical
+
+
+def test_a_persist_with_nothing_of_its_own_has_the_queued_upload_encoded_here(
+    fileio: FileIO,
+) -> None:
+    """The pre-emptive request is still queued when the persist comes: the batch that
+    takes it is a barrier's (encoded here, in a critical section), not the helper's."""
+    from dstl import gil
+
+    opts = ChangelogOptions(preemptive_persist_bytes=5_000)
+    with ChangelogStorage(fileio, "job", "w0", opts, start_thread=False) as st:
+        helper = st._encoder = SegmentEncoder()  # not started: counts what asks for it
+        try:
+            w = st.create_writer("a")
+            while not w._uploads:
+                w.append(0, "s", 1, b"k", None, b"v" * 100)
+            persisted = w.persist(0, 1)
+            assert gil._critical and st._queue.qsize() == 2  # the request, then the marker
+            st.drain_once(block=False)
+            assert persisted.result(timeout=0) and helper.started == 0
+            assert not gil._critical
+        finally:
+            helper.close()
 
 
 def test_a_preemptive_upload_failed_on_the_lane_is_uploaded_again_by_the_persist(
