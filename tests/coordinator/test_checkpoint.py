@@ -513,6 +513,7 @@ def test_the_tasks_stand_aside_from_the_last_ack_until_the_record_is_applied(
     monkeypatch.setattr(store, "record_completed_and_reserve", record)
     h.coord.tick(0.0)
     h.coord.acknowledge(1, SubtaskState("src", 0, offset=100))
+    assert [owner for owner, _ in gil._critical.values()] == [None]  # until it is taken
     h.coord.tick(0.1)
     assert not gil._critical  # an ack is missing: nothing of ours to wait for yet
     h.coord.acknowledge(1, h.op_state(1, ["a"]))
@@ -522,6 +523,19 @@ def test_the_tasks_stand_aside_from_the_last_ack_until_the_record_is_applied(
     assert open_during == [2]  # the record's own section inside the checkpoint's
     h.coord.tick(0.3)
     assert h.completed == [(1, None)] and not gil._critical  # applied: closed
+
+
+def test_an_ack_never_taken_closes_its_critical_section_at_close(
+    store: MetadataStore, tmp_path: Path
+) -> None:
+    from dstl import gil
+
+    h = _harness(store, tmp_path)
+    h.coord.tick(0.0)
+    h.coord.acknowledge(1, SubtaskState("src", 0, offset=100))
+    assert gil._critical
+    h.coord.close()
+    assert not gil._critical
 
 
 def test_a_record_that_fails_closes_its_critical_section(
