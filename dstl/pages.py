@@ -9,9 +9,10 @@ zeroed first. End-to-end worker, heap store, 1M uniform keys: with ``perf record
 barrier's encoding of 387 KB took 26.8 ms of CPU, two thirds of it ``clear_page_erms``
 under ``do_huge_pmd_anonymous_page``, called from mimalloc's ``mi_page_free_list_extend``
 (its usual cost: 4.5 ms). Those encodings set the p99 of our own part of a checkpoint.
-With the process's huge pages off (``PR_SET_THP_DISABLE``), four alternated pairs of
-40 s runs: the barrier's encoding CPU max 7.5-11.6 ms against 10.4-37.4 ms, our own
-part's max 19.3-22.2 ms against 24.5-68.5 ms, records/s the same.
+With the process's huge pages off (``PR_SET_THP_DISABLE``), alternated 40 s runs at 1M
+keys, two pairs of the heap store and two of RocksDB: the barrier's encoding CPU max
+8.6-13.2 ms against 22.2-54.3 ms, our own part p99 over the 160 checkpoints of each
+side 24.1 ms against 43.1 ms, records/s the same within the noise.
 
 The setting is the process's: inherited by the processes it forks and spawns (the
 segment encoder, a heap snapshot's child), kept across ``exec``. Memory already in huge
