@@ -747,18 +747,18 @@ class ChangelogStorage:
         of 40 at 1M keys, but most of the slowest (encode 10-18 ms of 0.5-0.8 ms CPU).
         """
         lane = self._lane
-        if lane is None:
-            self._upload(_segments(batch), expedite=expedite)
-        elif not expedite and not any(r.urgent for r in batch):
+        if lane is not None and not expedite and not any(r.urgent for r in batch):
             lane.put(batch)
-        else:
-            # Pre-emptive requests still waiting for the lane join the barrier's upload
-            # (the persist waits for them anyway: one encoding round trip, one file, not
-            # one each; more files where a materialization's boundary falls between
-            # them); the tasks stand aside until the one the lane is uploading now is
-            # written too.
-            waiting, running = lane.steal()
+            return
+        # Pre-emptive requests still waiting for the lane join the barrier's upload (the
+        # persist waits for them anyway: one encoding round trip, one file, not one each;
+        # more files where a materialization's boundary falls between them); the tasks
+        # stand aside until the one the lane is uploading now is written too.
+        waiting, running = lane.steal() if lane is not None else ([], None)
+        try:
             self._upload(_segments(waiting + batch), running, expedite)
+        except Exception as exc:  # a bug: the thread goes on, no persist waits forever
+            _crashed(waiting + batch, exc, self.worker)
 
     def _run_lane(self) -> None:
         assert self._lane is not None
@@ -784,10 +784,7 @@ class ChangelogStorage:
             with short_gil_slices(GIL_SLICE_S):
                 self._upload_segments(_segments(batch))
         except Exception as exc:  # a bug: fail the futures, so no persist waits forever
-            log.exception("segment upload crashed worker=%s", self.worker)
-            for r in batch:
-                if not r.future.done():
-                    r.future.set_exception(exc)
+            _crashed(batch, exc, self.worker)
         finally:
             lane.done()
         return True
@@ -1109,6 +1106,15 @@ def _segments(batch: list[_Request]) -> list[list[_Request]]:
         if r.ends_segment:
             out.append([])
     return [segment for segment in out if segment]
+
+
+def _crashed(requests: list[_Request], exc: Exception, worker: str) -> None:
+    """An upload failed with a bug (not a storage or data error): log it and fail the
+    futures still open, so no persist waits forever and the thread goes on."""
+    log.exception("segment upload crashed worker=%s", worker, exc_info=exc)
+    for r in requests:
+        if not r.future.done():
+            r.future.set_exception(exc)
 
 
 def _close_all(tokens: list[int | None]) -> None:

@@ -172,6 +172,25 @@ def test_a_persists_small_batch_is_encoded_here_a_preemptive_one_by_the_helper(
             helper.close()
 
 
+def test_a_bug_in_a_persists_upload_fails_it_and_the_thread_goes_on(
+    fileio: FileIO, storage: ChangelogStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a storage or data error: the persist fails with it (no wait until a timeout),
+    and the next persist uploads as usual."""
+    from dstl import changelog as changelog_mod
+
+    def broken(blocks: list[PendingBlock], grouped: bool = True) -> EncodedSegment:
+        raise RuntimeError("a bug")
+
+    w = storage.create_writer("a")
+    w.append(0, "s", 1, b"k", None, b"v1")
+    with monkeypatch.context() as patch:
+        patch.setattr(changelog_mod, "_encoded_here", broken)
+        with pytest.raises(RuntimeError, match="a bug"):
+            w.persist(0, 1).result(timeout=30)
+    assert _rows(fileio, w.persist(0, 2).result(timeout=30)) == [b"v1"]
+
+
 def test_only_an_upload_a_persist_waits_for_runs_in_a_critical_section(
     fileio: FileIO, monkeypatch: pytest.MonkeyPatch
 ) -> None:
