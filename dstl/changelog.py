@@ -853,12 +853,13 @@ class ChangelogStorage:
         """Each segment encoded, or the error that failed it (that segment alone).
 
         A barrier's upload is encoded here when it is small (no helper round trip while
-        it waits: the helper may be busy, or still starting); otherwise, and for the
-        lane, every segment goes to the helper, all in one round trip."""
+        it waits: the helper may be busy, or still starting), its rows as appended (not
+        grouped by key group: see :func:`~dstl.segment.encode_segment`); otherwise, and
+        for the lane, every segment goes to the helper, all in one round trip."""
         pending = [_pending(batch) for batch in segments]
         requests = [r for batch in segments for r in batch]
         if urgent and sum(r.nbytes for r in requests) <= ENCODE_HERE_BYTES:
-            return [_encoded_here(blocks) for blocks in pending]
+            return [_encoded_here(blocks, grouped=False) for blocks in pending]
         try:
             return list(self._encoder.encode_many(pending))  # typed as the union (invariant)
         except _DATA_ERRORS:  # which one? each by itself: the others still upload
@@ -1085,9 +1086,9 @@ def _block_ids(batch: list[_Request]) -> list[tuple[str, int, int]]:
     return [(r.writer_id, r.sqn_start, r.sqn_end) for r in batch]
 
 
-def _encoded_here(blocks: list[PendingBlock]) -> EncodedSegment | Exception:
+def _encoded_here(blocks: list[PendingBlock], grouped: bool = True) -> EncodedSegment | Exception:
     try:
-        return encode_here(blocks)
+        return encode_here(blocks, grouped)
     except _DATA_ERRORS as exc:
         return exc
 

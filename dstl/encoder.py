@@ -266,14 +266,16 @@ class SegmentEncoder:
                     os.close(fd)
 
 
-def encode_here(blocks: list[PendingBlock]) -> EncodedSegment:
-    """The segment of ``blocks`` encoded on the calling thread (no helper round trip).
+def encode_here(blocks: list[PendingBlock], grouped: bool = True) -> EncodedSegment:
+    """The segment of ``blocks`` encoded on the calling thread (no helper round trip):
+    the helper's bytes, or with ``grouped`` false its rows as appended (see
+    :func:`~dstl.segment.encode_segment`).
 
     For a barrier's small segment: beside a busy task thread (0.2 ms GIL slices, as
     while a checkpoint is in flight) a 28k-change segment took p50 28 / p90 52 ms here
     against 44 / 206 ms through the helper on a loaded VM, where every round trip waits
     for the helper process to be scheduled and then for the caller to be again."""
-    data = encode_segment([b.to_block() for b in blocks])
+    data = encode_segment([b.to_block() for b in blocks], grouped)
     return EncodedSegment(data, content_hash(data))
 
 

@@ -16,9 +16,11 @@ user_key    binary      serialized user key (map state), nullable
 value       binary      serialized value, nullable
 ==========  ==========  =====================================================
 
-A block's rows are grouped by key group (:func:`by_key_group`; files written before
-that hold them in the order they were appended). Either way the changes of one key are
-in the order they were made, and that is all a reader may rely on.
+A block's rows are grouped by key group (:func:`by_key_group`) in the segments the
+helper encodes off the checkpoint's path; a segment a checkpoint waits for, and files
+written before grouping, hold them in the order they were appended (see
+:func:`encode_segment`). Either way the changes of one key are in the order they were
+made, and that is all a reader may rely on.
 
 Self-describing: the footer's key-value metadata ``dstl.segment`` holds JSON::
 
@@ -120,8 +122,16 @@ class Block:
     table: pa.Table
 
 
-def encode_segment(blocks: list[Block]) -> bytes:
-    """Serialize ``blocks`` (one row group each) into segment bytes, checksummed per block."""
+def encode_segment(blocks: list[Block], grouped: bool = True) -> bytes:
+    """Serialize ``blocks`` (one row group each) into segment bytes, checksummed per block:
+    each block's rows grouped by key group (:func:`by_key_group`), or with ``grouped``
+    false as they were appended.
+
+    Ungrouped is for a segment a checkpoint waits for (``dstl.changelog``): the grouping's
+    stable sort was 22% of such an encoding's CPU (seven blocks of 10-34k changes taken in
+    the end-to-end worker at 1M uniform keys: 19.0 ms against 24.4 ms), for 15% fewer
+    bytes on segments that are ~1-2% of the log. Readers take both: none relies on the
+    order beyond each key's changes keeping theirs, which both keep."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
     described: list[dict[str, Any]] = []
@@ -145,7 +155,8 @@ def encode_segment(blocks: list[Block]) -> bytes:
             if n == 0:
                 raise ValueError(f"empty block for writer {block.writer_id!r}")
             writer_col = pa.repeat(pa.scalar(block.writer_id, pa.string()), n)
-            table = by_key_group(block.table).add_column(0, _WRITER_FIELD, writer_col)
+            rows = by_key_group(block.table) if grouped else block.table
+            table = rows.add_column(0, _WRITER_FIELD, writer_col)
             if not table.schema.equals(SCHEMA):  # a cast is one GIL round trip per column
                 table = table.cast(SCHEMA)
             start = sink.tell()

@@ -43,11 +43,6 @@ def _fill(w: ChangelogWriter) -> list[tuple[Any, ...]]:
     return expected
 
 
-def _grouped(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """``rows`` (one block's) as a segment holds them: by key group, else in order."""
-    return sorted(rows, key=lambda r: r[0])  # stable
-
-
 def _rows(tables: Iterator[pa.Table]) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for t in tables:
@@ -56,15 +51,36 @@ def _rows(tables: Iterator[pa.Table]) -> list[tuple[Any, ...]]:
     return out
 
 
-def test_every_append_shape_round_trips_grouped_by_key_group(
-    fileio: FileIO, storage: ChangelogStorage
-) -> None:
+def test_every_append_shape_round_trips_in_order(fileio: FileIO, storage: ChangelogStorage) -> None:
+    """A segment a persist waits for holds its rows as appended (not grouped by key
+    group: see dstl.segment.encode_segment)."""
     w = storage.create_writer("a")
     expected = _fill(w)
     assert w.last_appended_sqn() == 1
     handles = w.persist(0, 1).result()
     assert [h.block for h in handles] == [0]
-    assert _rows(read_changes(fileio, handles)) == _grouped(expected)
+    assert _rows(read_changes(fileio, handles)) == expected
+
+
+def test_a_pre_emptive_segment_holds_its_rows_by_key_group(fileio: FileIO) -> None:
+    """Off the checkpoint's path (the lane, the helper), a block's rows are grouped by key
+    group, each key's changes in order."""
+    options = ChangelogOptions(preemptive_persist_bytes=1)  # every append is handed over
+    with ChangelogStorage(fileio, "job", "w0", options, start_thread=False) as st:
+        w = st.create_writer("a")
+        keys = [b"a", b"b", b"c", b"b"]
+        w.append_columns(array("i", [3, 1, 2, 1]), "s", 1, keys, [b"1", b"2", b"3", b"4"])
+        st.drain_once()  # the pre-emptive upload, not one a persist waits for
+        persisted = w.persist(0, 1)
+        st.drain_once()
+        handles = persisted.result()
+    rows = _rows(read_changes(fileio, handles))
+    assert [(r[0], r[4], r[6]) for r in rows] == [
+        (1, b"b", b"2"),
+        (1, b"b", b"4"),
+        (2, b"c", b"3"),
+        (3, b"a", b"1"),
+    ]
 
 
 def test_truncate_drops_whole_chunks_and_rows_below(
@@ -74,7 +90,7 @@ def test_truncate_drops_whole_chunks_and_rows_below(
     expected = _fill(w)
     w.truncate(1)
     handles = w.persist(1, 1).result()
-    assert _rows(read_changes(fileio, handles)) == _grouped([r for r in expected if r[1] >= 1])
+    assert _rows(read_changes(fileio, handles)) == [r for r in expected if r[1] >= 1]
 
 
 def test_columns_of_different_lengths_are_refused(storage: ChangelogStorage) -> None:

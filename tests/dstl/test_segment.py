@@ -71,6 +71,20 @@ def test_footer_describes_the_segment() -> None:
     assert tables[0].equals(by_key_group(BLOCKS[0].table))
 
 
+def test_an_ungrouped_segment_holds_its_rows_as_appended() -> None:
+    """What a barrier's segment holds (``grouped=False``): the same rows, footer and
+    checksums, in the order they were appended."""
+    data = encode_segment(BLOCKS, grouped=False)
+    tables = _read_all(data)
+    assert [t.equals(b.table) for t, b in zip(tables, BLOCKS, strict=True)] == [True, True]
+    assert BLOCKS[0].table["key_group"].to_pylist() != sorted(
+        BLOCKS[0].table["key_group"].to_pylist()
+    )  # else this would not tell the two apart
+    reader = SegmentReader(data, LOCATION)
+    for i in range(len(BLOCKS)):
+        reader.verify_block(i)
+
+
 def test_a_block_holds_its_rows_by_key_group_each_key_in_order() -> None:
     """Grouped by key group (the column then takes a few bytes a block); within a group
     the rows keep the order they were appended in, so each key's changes do."""
