@@ -969,7 +969,10 @@ class ChangelogStorage:
             paths = self._deletes.get()
             if paths is None:
                 return
-            self._delete_now(paths)
+            try:
+                self._delete_now(paths)
+            except Exception:  # a bug: these are left to the orphan sweep, the rest go
+                log.exception("segment delete crashed worker=%s count=%d", self.worker, len(paths))
 
     def _delete_now(self, paths: list[str]) -> None:
         failed = self.fileio.delete_many(paths)

@@ -722,3 +722,26 @@ def test_segments_no_checkpoint_needs_are_deleted_on_the_deleter_thread(tmp_path
         assert not fio.exists(old.location) and fio.exists(new.location)
         assert fio.deleted_on and {name for name, _ in fio.deleted_on} == {"dstl-delete-w0"}
         assert st.segments_deleted >= 1
+
+
+class _BrokenOnceFileIO(FileIO):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.calls = 0
+
+    def delete_many(self, locations: Sequence[str]) -> tuple[tuple[str, StateBackendError], ...]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug")
+        return super().delete_many(locations)
+
+
+def test_a_bug_in_a_delete_does_not_stop_the_deleter_thread(tmp_path: Path) -> None:
+    fio = _BrokenOnceFileIO(str(tmp_path))
+    fio.write_new("a", b"1")
+    fio.write_new("b", b"2")
+    with ChangelogStorage(fio, "job", "w0") as st:
+        st._delete(["a"])  # crashes: left to the orphan sweep
+        st._delete(["b"])
+    assert fio.calls == 2 and fio.exists("a") and not fio.exists("b")
+    assert st.segments_deleted == 1
