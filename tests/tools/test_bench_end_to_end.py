@@ -70,20 +70,6 @@ def test_whole_run_materialization_ratio_is_over_the_log_only_case_of_the_same_s
     assert quick["materialization_whole_run_ratio_heap"] is None
 
 
-def test_whole_run_ratio_is_over_the_mean_of_the_log_only_runs_around_the_case() -> None:
-    """The long-log case runs right after the uniform one and a long-log run right before
-    it: the machine drifts over minutes, so the baseline is their mean."""
-    cases = [
-        _case("heap", "uniform", 1.3, records_per_s=540_000),
-        _case("rocksdb", "uniform", 1.3, records_per_s=60_000),
-        _case("heap", "long-log", 11.0, records_per_s=660_000, records_per_s_before=540_000),
-        _case("rocksdb", "long-log", 3.0, records_per_s=75_000, records_per_s_before=None),
-    ]
-    out = _headline(cases, None)
-    assert out["materialization_whole_run_ratio_heap"] == 0.9
-    assert out["materialization_whole_run_ratio_rocksdb"] == 0.8  # no run before: as it was
-
-
 def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
     def sample(t: float, cpu: float, flt: int, kid: float, kid_flt: int) -> dict[str, Any]:
         return {"t": t, "cpu_s": cpu, "minflt": flt, "child_cpu_s": kid, "child_minflt": kid_flt}

@@ -17,8 +17,7 @@ Per case: ``records_per_s`` (measurement window), ``records_per_s_mat`` (only wh
 materialization is in flight: snapshot to upload done) over ``records_per_s_idle``
 (none in flight) as ``mat_throughput_ratio`` (the headline
 ``materialization_whole_run_ratio_heap`` is the stricter reading: the uniform case's
-records/s over the long-log case's, where nothing materializes, averaged with
-``records_per_s_before``, a long-log run just before the uniform case); checkpoint duration
+records/s over the long-log case's, where nothing materializes); checkpoint duration
 p50/p99; ``own_p99_ms`` (our own part: everything but the barriers' travel and wait in
 queues, see :func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and
 ``own_steps`` (p50/p99 of each step of it); materialization duration (sync + upload)
@@ -47,7 +46,6 @@ import os
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -388,39 +386,30 @@ def _worker_cmd(store: str, case: dict[str, Any], restore_only: bool) -> list[st
     return [*cmd, "--restore-only"] if restore_only else cmd
 
 
-def _case(store_kind: str, changelog: str, keys: int, pattern: str) -> dict[str, Any]:
-    return {
-        "store": store_kind,
-        "changelog": changelog,
-        "keys": keys,
-        "hot": max(1, keys // 100) if pattern == "hot" else 0,
-        "long_log": pattern == "long-log",
-    }
-
-
-def _load_and_kill(store: str, case: dict[str, Any], seconds: float) -> tuple[list[Any], float]:
-    """A worker of ``case`` run until every key is loaded, then ``seconds`` more, then
-    killed: its events and when the measurement began (epoch seconds)."""
-    w = _Worker(_worker_cmd(store, case, restore_only=False))
-    deadline = time.monotonic() + 600
-    while w.processed() < case["keys"] and time.monotonic() < deadline and w.proc.poll() is None:
-        time.sleep(0.2)
-    loaded_at = time.time()
-    time.sleep(seconds)
-    w.kill()
-    return w.snapshot(), loaded_at
-
-
 def run_case(
     store_kind: str, changelog: str, keys: int, pattern: str, seconds: float
 ) -> dict[str, Any]:
     """One case of ours: run, kill, restore; see the module docstring for the fields."""
-    case = _case(store_kind, changelog, keys, pattern)
+    hot = max(1, keys // 100) if pattern == "hot" else 0
+    case = {
+        "store": store_kind,
+        "changelog": changelog,
+        "keys": keys,
+        "hot": hot,
+        "long_log": pattern == "long-log",
+    }
     root = tempfile.mkdtemp(prefix="bench-e2e-")
     try:
         store = os.path.join(root, "store")
         os.makedirs(store)
-        events, loaded_at = _load_and_kill(store, case, seconds)
+        w = _Worker(_worker_cmd(store, case, restore_only=False))
+        deadline = time.monotonic() + 600
+        while w.processed() < keys and time.monotonic() < deadline and w.proc.poll() is None:
+            time.sleep(0.2)
+        loaded_at = time.time()
+        time.sleep(seconds)
+        w.kill()
+        events = w.snapshot()
         facts = _checkpoint_facts(store)
         started = time.monotonic()
         r = _Worker(_worker_cmd(store, case, restore_only=True))
@@ -434,26 +423,6 @@ def run_case(
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return _summarize(case, pattern, events, revents, facts, live, loaded_at, code, restart_s)
-
-
-def run_rate(store_kind: str, keys: int, pattern: str, seconds: float) -> int:
-    """Records/s of one worker run of a case, measured as :func:`run_case` does (after the
-    load, for ``seconds``), then killed: no restore, nothing else measured."""
-    root = tempfile.mkdtemp(prefix="bench-e2e-")
-    try:
-        store = os.path.join(root, "store")
-        os.makedirs(store)
-        events, loaded_at = _load_and_kill(store, _case(store_kind, "on", keys, pattern), seconds)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return round(_rate([e for e in events if e["event"] == "sample" and e["t"] >= loaded_at]))
-
-
-def _rate(samples: list[dict[str, Any]]) -> float:
-    """Records/s over the samples' span (0 for fewer than two)."""
-    if len(samples) < 2:
-        return 0.0
-    return (samples[-1]["n"] - samples[0]["n"]) / (samples[-1]["t"] - samples[0]["t"])
 
 
 def _summarize(
@@ -470,7 +439,11 @@ def _summarize(
     samples = [e for e in events if e["event"] == "sample" and e["t"] >= loaded_at]
     cps = [e for e in events if e["event"] == "checkpoint" and e["t"] >= loaded_at]
     mats = [m for m in _materializations(events) if m[1] >= loaded_at]
-    rate = _rate(samples)
+    rate = (
+        (samples[-1]["n"] - samples[0]["n"]) / (samples[-1]["t"] - samples[0]["t"])
+        if len(samples) > 1
+        else 0.0
+    )
     busy, idle = _throughput(samples, [(s, e) for s, e, _ in mats])
     durations = [float(c["duration_ms"]) for c in cps]
     steps = _own_steps(cps, events)
@@ -634,9 +607,7 @@ def _worst_amp(cases: list[dict[str, Any]], pattern: str) -> float | None:
 
 
 def _whole_run_ratio(cases: list[dict[str, Any]], case: dict[str, Any]) -> float | None:
-    """Records/s of ``case`` over its store's long-log case (same keys, no materialization):
-    the mean of that case's run and of the long-log run just before ``case``
-    (``records_per_s_before``), when there is one."""
+    """Records/s of ``case`` over its store's long-log case (same keys, no materialization)."""
     log_only = next(
         (
             c
@@ -650,9 +621,7 @@ def _whole_run_ratio(cases: list[dict[str, Any]], case: dict[str, Any]) -> float
     )
     if log_only is None or not log_only["records_per_s"]:
         return None
-    rates = [log_only["records_per_s"], log_only.get("records_per_s_before")]
-    baseline = statistics.fmean(r for r in rates if r)
-    return round(case["records_per_s"] / baseline, 3)
+    return round(case["records_per_s"] / log_only["records_per_s"], 3)
 
 
 def _headline(cases: list[dict[str, Any]], peer: dict[str, Any] | None) -> dict[str, Any]:
@@ -717,12 +686,10 @@ def run(quick: bool) -> dict[str, Any]:
 
     keys = 100_000 if quick else 1_000_000
     seconds = 12.0 if quick else 30.0
-    # Each store's long-log case right after its uniform one, and a long-log run right
-    # before it (records/s only): the two bracket the uniform case and their mean is the
-    # baseline of the whole-run ratio. The machine drifts over a run: heap uniform at
-    # 206k-222k records/s against long-log at 258k-266k six minutes later, 0.80-0.83, in
-    # two runs (0.91 in two alternated pairs of worker runs); with the long-log case right
-    # after only, 0.874-1.009 in six runs, its long-log at 503k-668k records/s.
+    # Each store's long-log case right after its uniform one: it is the baseline of the
+    # whole-run ratio, and the machine drifts over a run (heap uniform at 206k-222k
+    # records/s against long-log at 258k-266k six minutes later, 0.80-0.83, in two runs;
+    # 0.91 in two alternated pairs of worker runs)
     plan = [
         ("heap", "on", "uniform"),
         ("heap", "on", "long-log"),
@@ -735,14 +702,7 @@ def run(quick: bool) -> dict[str, Any]:
     ]
     if quick:
         plan = [p for p in plan if p[2] != "hot"]
-    cases = []
-    before: dict[str, int] = {}
-    for s, c, p in plan:
-        if (c, p) == ("on", "uniform") and s not in before:
-            before[s] = run_rate(s, keys, "long-log", seconds)
-        cases.append(run_case(s, c, keys, p, seconds))
-        if p == "long-log" and s in before:
-            cases[-1]["records_per_s_before"] = before[s]
+    cases = [run_case(s, c, keys, p, seconds) for s, c, p in plan]
     if not quick:  # the size target holds at 100k keys too
         cases += [run_case(s, "on", keys // 10, "uniform", seconds) for s in ("heap", "rocksdb")]
     peer = peers.flink_case(keys, 0, seconds)
