@@ -70,6 +70,29 @@ def test_whole_run_materialization_ratio_is_over_the_log_only_case_of_the_same_s
     assert quick["materialization_whole_run_ratio_heap"] is None
 
 
+def test_whole_run_ratio_sums_the_repeated_pair_so_a_drift_cancels() -> None:
+    cases = [
+        _case("heap", "uniform", 1.3, records_per_s=500_000),
+        _case("rocksdb", "uniform", 1.3, records_per_s=60_000),
+        _case("heap", "long-log", 11.0, records_per_s=600_000),  # the machine got faster...
+        _case("rocksdb", "long-log", 3.0, records_per_s=75_000),
+    ]
+    repeats = [  # ...and slower again by the end, where the pair runs the other way round
+        _case("heap", "long-log", 11.0, records_per_s=450_000),
+        _case("heap", "uniform", 1.3, records_per_s=550_000),
+    ]
+    out = _headline(cases, None, repeats)
+    assert out["materialization_whole_run_ratio_heap"] == round(1_050_000 / 1_050_000, 3)
+    assert out["materialization_whole_run_records_per_s_heap"] == {
+        "with": [500_000, 550_000],
+        "log_only": [600_000, 450_000],
+    }
+    assert out["materialization_whole_run_ratio_rocksdb"] == 0.8  # one pair: as before
+    assert out["records_per_s_heap"] == 500_000  # the repeats feed the ratio only
+    half = _headline(cases, None, repeats[:1])  # a pair missing its half: the first alone
+    assert half["materialization_whole_run_ratio_heap"] == round(500_000 / 600_000, 3)
+
+
 def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
     def sample(t: float, cpu: float, flt: int, kid: float, kid_flt: int) -> dict[str, Any]:
         return {"t": t, "cpu_s": cpu, "minflt": flt, "child_cpu_s": kid, "child_minflt": kid_flt}

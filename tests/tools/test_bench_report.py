@@ -155,3 +155,17 @@ def test_report_of_a_missing_file_says_so(
     assert main(["report", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")]) == 2
     assert "no such file" in capsys.readouterr().out
     assert not (tmp_path / "o").exists()
+
+
+def test_cases_run_again_get_a_table_of_their_own_not_a_summary_row() -> None:
+    result = _e2e(1_764_000_000.0, heap_rate=80_000)
+    ours = {"system": "ours", "store": "heap", "changelog": "on", "keys": 1000}
+    result["repeated_cases"] = [
+        {**ours, "pattern": "long-log", "records_per_s": 71_234, "restore_s": 3.0},
+        {**ours, "pattern": "uniform", "records_per_s": 69_876, "restore_s": 2.0},
+    ]
+    text = report.section(result, None)
+    summary, again = text.split("cases run again at the end")
+    assert "repeated_cases" not in summary and "71,234" not in summary
+    assert "| ours | heap | on | 1,000 | long-log | 71,234 | 3 |" in again
+    assert "| ours | heap | on | 1,000 | uniform | 69,876 | 2 |" in again
