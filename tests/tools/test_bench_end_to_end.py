@@ -22,6 +22,7 @@ def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **
         "mat_throughput_ratio": 0.95,
         "own_p99_ms": 10.0,
         "own_old_p99_ms": 8.0,
+        "own_ms": [10.0],
         "own_steps": {},
         "mat_sync_p50_ms": 1.0,
         "mat_sync_max_ms": 2.0,
@@ -117,3 +118,24 @@ def test_own_steps_report_the_blocks_a_barriers_upload_took_along() -> None:
     assert steps["operator.upload_blocks"] == {"p50": 1, "max": 9}
     assert steps["operator.encode_ms"] == {"p50": 5.0, "p99": 5.0}
     assert steps["own_p99_ms"] == 14.0  # async 13 + commit 1
+
+
+def test_own_part_p99_is_over_every_checkpoint_of_the_uniform_changelog_on_cases() -> None:
+    # 30 checkpoints a case: alone, a case's p99 is its maximum (the stalled 190 ms)
+    stalled = [5.0 + i / 10 for i in range(29)] + [190.0]
+    cases = [
+        _case("heap", "uniform", 1.3, own_ms=stalled, own_p99_ms=190.0),
+        _case("rocksdb", "uniform", 1.2, own_ms=[6.0] * 30, own_p99_ms=6.0),
+        _case("heap", "uniform", 1.2, keys=100_000, own_ms=[7.0] * 29 + [18.0]),
+        _case("rocksdb", "uniform", 1.2, keys=100_000, own_ms=[7.0] * 30),
+        _case("heap", "hot", 1.3, own_ms=[500.0] * 30),  # labelled: not the headline
+        _case("heap", "long-log", 9.0, own_ms=[500.0] * 30),  # no materialization
+        _case("heap", "uniform", 0.8, changelog="off", own_ms=[500.0] * 30),
+    ]
+    repeats = [_case("heap", "uniform", 1.3, own_ms=[8.0] * 29 + [19.0])]
+    out = _headline(cases, None, repeats)
+    assert out["own_checkpoint_samples"] == 150
+    assert out["own_checkpoint_max_ms"] == 190.0
+    assert out["own_checkpoint_p99_ms"] == 19.0  # the second largest of 150
+    # the first two alone (60 checkpoints): the p99 leaves the stalled one out
+    assert _headline(cases[:2], None)["own_checkpoint_p99_ms"] == 7.8

@@ -21,7 +21,9 @@ records/s over the long-log case's, where nothing materializes; the pair runs a 
 time at the end, in the other order, and both pairs are summed); checkpoint duration
 p50/p99; ``own_p99_ms`` (our own part: everything but the barriers' travel and wait in
 queues, see :func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and
-``own_steps`` (p50/p99 of each step of it); materialization duration (sync + upload)
+``own_steps`` (p50/p99 of each step of it; ``own_ms`` each checkpoint's: the headline
+``own_checkpoint_p99_ms`` pools those of every uniform changelog-on case, see
+:func:`_own_pooled`); materialization duration (sync + upload)
 p50/max and its sync part p50/max; ``log_at_kill`` (change records the
 restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
 included) and ``replay_per_s`` (changes replayed per second: read, fold and load of the
@@ -474,6 +476,7 @@ def _summarize(
         "cp_p99_ms": round(_pct(durations, 0.99), 1),
         "own_p99_ms": steps.pop("own_p99_ms"),
         "own_old_p99_ms": steps.pop("own_old_p99_ms"),
+        "own_ms": steps.pop("own_ms"),
         "own_steps": steps,
         "materializations": len(mats),
         "mat_p50_s": round(median(mat_s), 3) if mat_s else None,
@@ -572,6 +575,7 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
         )
         rows.append(row)
     out: dict[str, Any] = {
+        "own_ms": [round(r["own"], 1) for r in rows],  # each checkpoint's, for a pooled p99
         "own_p99_ms": round(_pct([r["own"] for r in rows], 0.99), 1),
         "own_old_p99_ms": round(_pct([r["own_old"] for r in rows], 0.99), 1),
     }
@@ -605,6 +609,29 @@ def _worst_amp(cases: list[dict[str, Any]], pattern: str) -> float | None:
         ),
         default=None,
     )
+
+
+def _own_pooled(cases: list[dict[str, Any]], repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our own part of a checkpoint over every checkpoint of our uniform changelog-on
+    cases at default settings (both stores, every key count, the repeated ones too): p99,
+    max and how many.
+
+    Pooled because a case has ~30 checkpoints, and the p99 of 30 is their maximum: the
+    headline was the larger of two such maxima (60 checkpoints), one disk stall's worth
+    (190 ms in one run of four, where a segment write and the metadata commit's sync
+    stalled together). Pooled over ~150, the p99 lets one such checkpoint in a hundred
+    through, as a p99 does; the maximum stays beside it."""
+    own = [
+        v
+        for c in (*cases, *repeats)
+        if c["system"] == "ours" and c["changelog"] == "on" and c["pattern"] == "uniform"
+        for v in c.get("own_ms", ())
+    ]
+    return {
+        "own_checkpoint_p99_ms": round(_pct(own, 0.99), 1) if own else None,
+        "own_checkpoint_max_ms": max(own) if own else None,
+        "own_checkpoint_samples": len(own),
+    }
 
 
 def _whole_run_pairs(
@@ -691,7 +718,7 @@ def _headline(
         # the headline is uniform keys (what a user gets), the hot-key case beside it
         "space_amplification": _worst_amp(cases, "uniform"),
         "space_amplification_hot": _worst_amp(cases, "hot"),
-        "own_checkpoint_p99_ms": max(c["own_p99_ms"] for c in (heap, rocks)),
+        **_own_pooled(cases, repeats or []),
         "own_checkpoint_old_p99_ms": max(c["own_old_p99_ms"] for c in (heap, rocks)),
         "own_checkpoint_steps_ms": {c["store"]: c["own_steps"] for c in (heap, rocks)},
         "materialization_sync_p50_ms_rocksdb": rocks["mat_sync_p50_ms"],

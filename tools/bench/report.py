@@ -97,6 +97,7 @@ HEADLINES: dict[str, list[Headline]] = {
             1.5,
         ),
         Headline("own_checkpoint_p99_ms", "our own part of a checkpoint, p99 (ms)", "<=", 20),
+        Headline("own_checkpoint_max_ms", "our own part of a checkpoint, max (ms)"),
         Headline("materialization_sync_max_ms_rocksdb", "RocksDB materialization sync, max (ms)"),
     ],
     "peers": [
