@@ -706,9 +706,9 @@ def _headline(
         "materialization_throughput_ratio_heap": heap["mat_throughput_ratio"],
         # the stricter reading of "without one": the whole run's records/s over the same
         # pipeline's with the log only (long-log, no materialization), in the same run;
-        # it holds every cost of materializing, also those outside its windows
-        # the heap pair runs twice, the second time last and the other way round, so a
-        # drift of the machine over the run cancels out (see run)
+        # it holds every cost of materializing, also those outside its windows; the heap
+        # pair runs twice, the second time last and the other way round, so a drift of
+        # the machine over the run cancels out (see run)
         "materialization_whole_run_ratio_heap": _whole_run_ratio(cases, heap, repeats or []),
         "materialization_whole_run_records_per_s_heap": dict(
             zip(("with", "log_only"), _whole_run_pairs(cases, heap, repeats or []), strict=True)
