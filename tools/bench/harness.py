@@ -94,22 +94,32 @@ def run(name: str, quick: bool) -> dict[str, Any]:
     }
 
 
+META_FIELDS = frozenset(
+    {
+        "benchmark",
+        "quick",
+        "started_at",
+        "duration_s",
+        "machine",
+        "columns",
+        "cases",
+        "repeated_cases",  # cases run twice, for a headline that sums both runs
+    }
+)
+"""A result's fields that are not summary fields: what ran, where, and its cases."""
+
+
 def print_result(result: dict[str, Any]) -> None:
     """The table of one result, then its summary fields."""
     print(
         f"== {result['benchmark']} ({'quick' if result['quick'] else 'full'}, {result['duration_s']} s)"
     )
     print(format_table(result["columns"], result.get("cases", [])))
+    if result.get("repeated_cases"):
+        print("-- cases run again at the end")
+        print(format_table(result["columns"], result["repeated_cases"]))
     for key, value in result.items():
-        if key not in {
-            "benchmark",
-            "quick",
-            "started_at",
-            "duration_s",
-            "machine",
-            "columns",
-            "cases",
-        }:
+        if key not in META_FIELDS:
             print(f"{key}: {json.dumps(value) if not isinstance(value, str) else value}")
 
 

@@ -29,19 +29,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tools.bench.harness import META_FIELDS
+
 BEGIN = "<!-- bench:begin (python -m tools.bench report) -->"
 END = "<!-- bench:end -->"
-
-_META = {
-    "benchmark",
-    "quick",
-    "started_at",
-    "duration_s",
-    "machine",
-    "columns",
-    "cases",
-    "repeated_cases",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +167,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The summary fields of a result (nested objects flattened as ``field.key``)."""
     out: dict[str, Any] = {}
     for key, value in result.items():
-        if key in _META:
+        if key in META_FIELDS:
             continue
         if isinstance(value, dict):
             for k, v in value.items():
