@@ -246,7 +246,9 @@ def test_a_background_job_runs_on_a_thread_below_the_task(
     assert not snap.background
     assert _pieces(snap.pieces(PIECE_ROWS))
     snap.release()
-    assert forked_mod.CHILD_NICE not in _thread_nices(helper.pid).values()
+    # The helper joins a job's thread before it takes the next job, but a joined thread
+    # may still be in the kernel's thread exit, niced, on a busy machine: it must go.
+    _thread_nices(helper.pid, until=lambda n: forked_mod.CHILD_NICE not in n.values())
 
 
 def _thread_nices(pid: int, until: Any = lambda n: True) -> dict[int, int]:
