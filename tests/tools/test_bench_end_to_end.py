@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
 from typing import Any
 
-from tools.bench.end_to_end import _cpu_facts, _headline, _own_steps
+from tools.bench.end_to_end import _cpu_facts, _headline, _helpers_cpu, _own_steps
 
 
 def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **kw: Any) -> dict:
@@ -107,6 +110,44 @@ def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
     }
     assert _cpu_facts(samples, 0)["child_cpu_per_mat_s"] == 1.2  # no division by zero
     assert _cpu_facts([{"t": 1.0, "n": 0}, {"t": 2.0, "n": 5}], 3) == {}  # an older worker
+    helpers = [  # the encoder helper started mid-window: the first sample lacks it
+        {**samples[0], "snapshot_helper_cpu_s": 4.0},
+        {**samples[1], "snapshot_helper_cpu_s": 5.5, "encoder_helper_cpu_s": 0.4},
+    ]
+    facts = _cpu_facts(helpers, 4)
+    assert (facts["snapshot_helper_cores"], facts["encoder_helper_cores"]) == (0.75, 0.2)
+
+
+def test_helpers_cpu_counts_a_live_child_that_rusage_would_not() -> None:
+    """A long-lived helper is never reaped while the worker runs: its CPU is read from
+    /proc. Here a real child, named like the encoder helper, burns CPU and then waits."""
+    burn = "\n".join(
+        [
+            "import sys  # dstl.encoder",
+            "print(sum(range(30_000_000)), flush=True)",
+            "sys.stdin.read()",
+        ]
+    )
+
+    def reaped() -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return kids.ru_utime + kids.ru_stime
+
+    before = _helpers_cpu()  # the suite's own helpers, if any are alive, count too
+    assert set(before) == {"snapshot_helper_cpu_s", "encoder_helper_cpu_s"}
+    reaped_before = reaped()
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline()  # done burning
+        burnt = _helpers_cpu()["encoder_helper_cpu_s"] - before["encoder_helper_cpu_s"]
+        assert burnt >= 0.1  # ~0.5 s of a core
+        assert reaped() - reaped_before < 0.1  # what the bench counted until now
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()
 
 
 def test_own_steps_report_the_blocks_a_barriers_upload_took_along() -> None:

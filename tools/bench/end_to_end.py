@@ -42,6 +42,7 @@ cases' beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -84,6 +85,8 @@ COLUMNS = [
     "bytes_per_cp",
     "peak_rss_mb",
     "child_cpu_per_mat_s",
+    "snapshot_helper_cores",
+    "encoder_helper_cores",
     "minflt_per_s",
 ]
 
@@ -243,7 +246,38 @@ def _usage() -> dict[str, float]:
         "minflt": me.ru_minflt,
         "child_cpu_s": kids.ru_utime + kids.ru_stime,
         "child_minflt": kids.ru_minflt,
+        **_helpers_cpu(),
     }
+
+
+HELPERS = {"backends.snapshot_helper": "snapshot_helper", "dstl.encoder": "encoder_helper"}
+"""The long-lived helper processes (by a word of their command line): never reaped while
+the worker runs, so ``RUSAGE_CHILDREN`` never counts them."""
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _helpers_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's live helpers (:data:`HELPERS`), each
+    ``<name>_cpu_s`` (0 while none runs), read from ``/proc``: the children of every
+    thread (a helper is started by whichever thread first needs it)."""
+    out = dict.fromkeys((f"{name}_cpu_s" for name in HELPERS.values()), 0.0)
+    kids: set[str] = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
+            kids.update(fh.read().split())
+    for pid in kids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # it ended between the listing and the read
+            continue
+        name = next((n for word, n in HELPERS.items() if word in cmdline), None)
+        if name is not None:  # utime and stime: fields 14 and 15 of stat
+            out[f"{name}_cpu_s"] += (int(fields[11]) + int(fields[12])) * _TICK_S
+    return out
 
 
 def _rss_kb() -> int:
@@ -511,19 +545,27 @@ def _summarize(
 
 def _cpu_facts(samples: list[dict[str, Any]], materializations: int) -> dict[str, Any]:
     """Over the measured samples: the worker's cores in use (its own CPU seconds a
-    second), its minor page faults a second, and its forked snapshot children's CPU
-    seconds and page faults per materialization (a child counts once reaped)."""
+    second), its minor page faults a second, its forked snapshot children's CPU
+    seconds and page faults per materialization (a child counts once reaped), and each
+    live helper's cores in use (``snapshot_helper_cores``: materializations' encoding;
+    ``encoder_helper_cores``: the log's pre-emptive segments)."""
     if len(samples) < 2 or "cpu_s" not in samples[0]:
         return {}
     first, last = samples[0], samples[-1]
     wall = last["t"] - first["t"]
     mats = max(materializations, 1)
-    return {
+    out = {
         "worker_cores": round((last["cpu_s"] - first["cpu_s"]) / wall, 3),
         "minflt_per_s": round((last["minflt"] - first["minflt"]) / wall),
         "child_cpu_per_mat_s": round((last["child_cpu_s"] - first["child_cpu_s"]) / mats, 3),
         "child_minflt_per_mat": round((last["child_minflt"] - first["child_minflt"]) / mats),
     }
+    for name in HELPERS.values():  # a helper started (or restarted) mid-window: from 0
+        key = f"{name}_cpu_s"
+        if key in last:
+            used = last[key] - first.get(key, 0.0)
+            out[f"{name}_cores"] = round(max(used, 0.0) / wall, 3)
+    return out
 
 
 OWN_STEPS = (  # (name, where): the steps of our own part of a checkpoint, in order
