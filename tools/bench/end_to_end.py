@@ -42,7 +42,6 @@ cases' beside it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import logging
@@ -55,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from statistics import median
 from typing import Any
 
@@ -250,34 +249,36 @@ def _usage() -> dict[str, float]:
     }
 
 
-HELPERS = {"backends.snapshot_helper": "snapshot_helper", "dstl.encoder": "encoder_helper"}
-"""The long-lived helper processes (by a word of their command line): never reaped while
-the worker runs, so ``RUSAGE_CHILDREN`` never counts them."""
+HELPERS = ("snapshot_helper", "encoder_helper")
+"""The long-lived helper processes (:mod:`backends.snapshot_helper`, :mod:`dstl.encoder`):
+never reaped while the worker runs, so ``RUSAGE_CHILDREN`` never counts them."""
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def _helpers_cpu() -> dict[str, float]:
-    """CPU seconds so far of this process's live helpers (:data:`HELPERS`), each
-    ``<name>_cpu_s`` (0 while none runs), read from ``/proc``: the children of every
-    thread (a helper is started by whichever thread first needs it)."""
-    out = dict.fromkeys((f"{name}_cpu_s" for name in HELPERS.values()), 0.0)
-    kids: set[str] = set()
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
-            kids.update(fh.read().split())
-    for pid in kids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                cmdline = fh.read().decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:  # it ended between the listing and the read
-            continue
-        name = next((n for word, n in HELPERS.items() if word in cmdline), None)
-        if name is not None:  # utime and stime: fields 14 and 15 of stat
-            out[f"{name}_cpu_s"] += (int(fields[11]) + int(fields[12])) * _TICK_S
-    return out
+    """CPU seconds so far of this process's helpers (:data:`HELPERS`), each
+    ``<name>_cpu_s`` (0 while it is not running): their pids from the modules that run
+    them, their CPU from ``/proc/<pid>/stat``."""
+    from backends.snapshot_helper import running_helper
+    from dstl.encoder import shared_encoder
+
+    snapshot = running_helper(start=False)
+    pids = (snapshot.pid if snapshot is not None else None, shared_encoder().pid)
+    return {f"{name}_cpu_s": _cpu_s(pid) for name, pid in zip(HELPERS, pids, strict=True)}
+
+
+def _cpu_s(pid: int | None) -> float:
+    """User and system CPU seconds of process ``pid`` (fields 14 and 15 of its stat); 0
+    for none, or one that ended before the read."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 def _rss_kb() -> int:
@@ -560,7 +561,7 @@ def _cpu_facts(samples: list[dict[str, Any]], materializations: int) -> dict[str
         "child_cpu_per_mat_s": round((last["child_cpu_s"] - first["child_cpu_s"]) / mats, 3),
         "child_minflt_per_mat": round((last["child_minflt"] - first["child_minflt"]) / mats),
     }
-    for name in HELPERS.values():  # a helper started (or restarted) mid-window: from 0
+    for name in HELPERS:  # a helper started (or restarted) mid-window: from 0
         key = f"{name}_cpu_s"
         if key in last:
             used = last[key] - first.get(key, 0.0)
@@ -653,7 +654,7 @@ def _worst_amp(cases: list[dict[str, Any]], pattern: str) -> float | None:
     )
 
 
-def _own_pooled(cases: list[dict[str, Any]], repeats: list[dict[str, Any]]) -> dict[str, Any]:
+def _own_pooled(cases: list[dict[str, Any]], repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Our own part of a checkpoint over every checkpoint of our uniform changelog-on
     cases at default settings (both stores, every key count, the repeated ones too): p99,
     max and how many.
@@ -677,13 +678,13 @@ def _own_pooled(cases: list[dict[str, Any]], repeats: list[dict[str, Any]]) -> d
 
 
 def _whole_run_pairs(
-    cases: list[dict[str, Any]], case: dict[str, Any], repeats: list[dict[str, Any]]
+    cases: list[dict[str, Any]], case: dict[str, Any], repeats: Sequence[dict[str, Any]]
 ) -> tuple[list[float], list[float]]:
     """Records/s of ``case`` and of its store's long-log case (same keys, no
     materialization), with those of the repeated pair (``repeats``, run at the end in the
     other order) when there is one: ``([with...], [log only...])``, in run order."""
 
-    def find(among: list[dict[str, Any]], pattern: str) -> dict[str, Any] | None:
+    def find(among: Sequence[dict[str, Any]], pattern: str) -> dict[str, Any] | None:
         return next(
             (
                 c
@@ -708,22 +709,22 @@ def _whole_run_pairs(
     return with_mat, without
 
 
-def _whole_run_ratio(
-    cases: list[dict[str, Any]], case: dict[str, Any], repeats: list[dict[str, Any]]
-) -> float | None:
-    """Records/s of ``case`` over its store's long-log case, summed over both orders when
-    the pair was repeated (see :func:`run`); None without a long-log case."""
-    with_mat, without = _whole_run_pairs(cases, case, repeats)
+def _whole_run_ratio(pairs: tuple[list[float], list[float]]) -> float | None:
+    """Records/s with materialization over log only, each summed over the pairs
+    (:func:`_whole_run_pairs`: both orders when the pair was repeated, see :func:`run`);
+    None without a long-log case."""
+    with_mat, without = pairs
     return round(sum(with_mat) / sum(without), 3) if without else None
 
 
 def _headline(
     cases: list[dict[str, Any]],
     peer: dict[str, Any] | None,
-    repeats: list[dict[str, Any]] | None = None,
+    repeats: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The headline fields from ``cases`` (each case once), the peer's case, and the
-    repeated whole-run pair (``repeats``: only the whole-run ratio reads it)."""
+    """The headline fields from ``cases`` (each case once), the peer's case, and the cases
+    run again at the end (``repeats``: read by the whole-run ratio and the pooled own
+    part only)."""
 
     def get(store: str, changelog: str = "on", pattern: str = "uniform") -> dict[str, Any]:
         return next(
@@ -733,6 +734,7 @@ def _headline(
         )
 
     heap, rocks = get("heap"), get("rocksdb")
+    heap_pairs = _whole_run_pairs(cases, heap, repeats)
     out: dict[str, Any] = {
         "records_per_s_heap": heap["records_per_s"],
         "records_per_s_rocksdb": rocks["records_per_s"],
@@ -751,16 +753,18 @@ def _headline(
         # it holds every cost of materializing, also those outside its windows; the heap
         # pair runs twice, the second time last and the other way round, so a drift of
         # the machine over the run cancels out (see run)
-        "materialization_whole_run_ratio_heap": _whole_run_ratio(cases, heap, repeats or []),
+        "materialization_whole_run_ratio_heap": _whole_run_ratio(heap_pairs),
         "materialization_whole_run_records_per_s_heap": dict(
-            zip(("with", "log_only"), _whole_run_pairs(cases, heap, repeats or []), strict=True)
+            zip(("with", "log_only"), heap_pairs, strict=True)
         ),
-        "materialization_whole_run_ratio_rocksdb": _whole_run_ratio(cases, rocks, []),
+        "materialization_whole_run_ratio_rocksdb": _whole_run_ratio(
+            _whole_run_pairs(cases, rocks, [])
+        ),
         # ours (the peer's case has one too), the worst of both stores at 1M and 100k keys:
         # the headline is uniform keys (what a user gets), the hot-key case beside it
         "space_amplification": _worst_amp(cases, "uniform"),
         "space_amplification_hot": _worst_amp(cases, "hot"),
-        **_own_pooled(cases, repeats or []),
+        **_own_pooled(cases, repeats),
         "own_checkpoint_old_p99_ms": max(c["own_old_p99_ms"] for c in (heap, rocks)),
         "own_checkpoint_steps_ms": {c["store"]: c["own_steps"] for c in (heap, rocks)},
         "materialization_sync_p50_ms_rocksdb": rocks["mat_sync_p50_ms"],
