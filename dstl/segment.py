@@ -130,7 +130,8 @@ def encode_segment(blocks: list[Block], grouped: bool = True) -> bytes:
     Ungrouped is for a segment a checkpoint waits for (``dstl.changelog``): the grouping's
     stable sort was 22% of such an encoding's CPU (seven blocks of 10-34k changes taken in
     the end-to-end worker at 1M uniform keys: 19.0 ms against 24.4 ms), for 15% fewer
-    bytes on segments that are ~1-2% of the log. Readers take both: none relies on the
+    bytes on segments that are 2-3% of the log at 1M uniform keys (19-27% at 100k, where
+    checkpoint bytes came out 843k against 840k). Readers take both: none relies on the
     order beyond each key's changes keeping theirs, which both keep."""
     if not blocks:
         raise ValueError("a segment needs at least one block")
