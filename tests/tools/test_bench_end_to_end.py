@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
+import pytest
+
 from dstl.encoder import shared_encoder, warm_up_blocks
-from tools.bench.end_to_end import _cpu_facts, _headline, _helpers_cpu, _own_steps
+from tools.bench.end_to_end import (
+    _cpu_facts,
+    _headline,
+    _helpers_cpu,
+    _own_steps,
+    _runq_s,
+    _throughput,
+)
 
 
 def _case(store: str, pattern: str, amp: float | None, keys: int = 1_000_000, **kw: Any) -> dict:
@@ -115,6 +129,53 @@ def test_cpu_facts_are_per_second_of_the_run_and_per_materialization() -> None:
     ]
     facts = _cpu_facts(helpers, 4)
     assert (facts["snapshot_helper_cores"], facts["encoder_helper_cores"]) == (0.75, 0.2)
+
+
+def test_throughput_splits_any_counter_by_materialization_windows() -> None:
+    """Records/s and the threads' runqueue wait a second, each during / outside the
+    windows, an interval by its midpoint."""
+    samples = [
+        {"t": 0.0, "n": 0, "runq_s": 0.0},
+        {"t": 1.0, "n": 100, "runq_s": 0.5},  # outside
+        {"t": 2.0, "n": 160, "runq_s": 1.4},  # inside [1.2, 2.2]
+        {"t": 3.0, "n": 260, "runq_s": 1.9},  # outside: midpoint 2.5
+    ]
+    windows = [(1.2, 2.2)]
+    assert _throughput(samples, windows) == (60.0, 100.0)
+    assert _throughput(samples, windows, "runq_s") == pytest.approx((0.9, 0.5))
+
+
+def test_runq_s_counts_a_thread_kept_waiting_for_a_core() -> None:
+    """A thread of ours and a child process, both busy on one core for 0.3 s: the thread
+    waits while the child runs, and the process's runqueue seconds grow by about that."""
+    core = min(os.sched_getaffinity(0))
+    spun, done = threading.Event(), threading.Event()
+
+    def spin(until: float) -> None:
+        os.sched_setaffinity(0, {core})  # the calling thread (or child) only
+        while time.monotonic() < until:
+            pass
+
+    def ours(until: float) -> None:
+        spin(until)
+        spun.set()
+        done.wait()  # alive while it is counted: only live threads are
+
+    before = _runq_s()
+    until = time.monotonic() + 0.5  # CLOCK_MONOTONIC: the same in the child
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\n"
+         f"os.sched_setaffinity(0, {{{core}}})\n"
+         f"while time.monotonic() < {until}: pass\n"]
+    )  # fmt: skip
+    thread = threading.Thread(target=ours, args=(until,))
+    thread.start()
+    assert child.wait(30) == 0
+    assert spun.wait(10)
+    waited = _runq_s() - before
+    done.set()
+    thread.join()
+    assert waited > 0.05
 
 
 def test_helpers_cpu_counts_the_live_encoder_helper_that_rusage_would_not() -> None:

@@ -42,6 +42,7 @@ cases' beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -66,6 +67,8 @@ COLUMNS = [
     "pattern",
     "records_per_s",
     "mat_throughput_ratio",
+    "runq_s_per_s_mat",
+    "runq_s_per_s_idle",
     "cp_p50_ms",
     "cp_p99_ms",
     "own_p99_ms",
@@ -245,8 +248,19 @@ def _usage() -> dict[str, float]:
         "minflt": me.ru_minflt,
         "child_cpu_s": kids.ru_utime + kids.ru_stime,
         "child_minflt": kids.ru_minflt,
+        "runq_s": _runq_s(),
         **_helpers_cpu(),
     }
+
+
+def _runq_s() -> float:
+    """Seconds this process's live threads have spent so far runnable but waiting for a
+    core (field 2 of each ``/proc/self/task/<tid>/schedstat``)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/schedstat") as fh:
+            total += int(fh.read().split()[1])
+    return total / 1e9
 
 
 HELPERS = ("snapshot_helper", "encoder_helper")
@@ -360,13 +374,14 @@ def _materializations(events: list[dict[str, Any]]) -> list[tuple[float, float, 
 
 
 def _throughput(
-    samples: list[dict[str, Any]], windows: list[tuple[float, float]]
+    samples: list[dict[str, Any]], windows: list[tuple[float, float]], field: str = "n"
 ) -> tuple[float, float]:
-    """Records/s while a materialization is in flight, and while none is."""
+    """Records/s (or another counter of the samples, ``field``, a second) while a
+    materialization is in flight, and while none is."""
     busy = [0.0, 0.0]  # records, seconds
     idle = [0.0, 0.0]
     for a, b in itertools.pairwise(samples):
-        dt, dn = b["t"] - a["t"], b["n"] - a["n"]
+        dt, dn = b["t"] - a["t"], b[field] - a[field]
         mid = (a["t"] + b["t"]) / 2
         into = busy if any(s <= mid <= e for s, e in windows) else idle
         into[0] += dn
@@ -482,7 +497,9 @@ def _summarize(
         if len(samples) > 1
         else 0.0
     )
-    busy, idle = _throughput(samples, [(s, e) for s, e, _ in mats])
+    windows = [(s, e) for s, e, _ in mats]
+    busy, idle = _throughput(samples, windows)
+    runq = _throughput(samples, windows, "runq_s") if samples and "runq_s" in samples[0] else None
     durations = [float(c["duration_ms"]) for c in cps]
     steps = _own_steps(cps, events)
     mat_s = [e - s for s, e, _ in mats]
@@ -506,6 +523,10 @@ def _summarize(
         "records_per_s_mat": round(busy),
         "records_per_s_idle": round(idle),
         "mat_throughput_ratio": round(busy / idle, 3) if busy and idle else None,
+        # the worker's threads' seconds a second waiting for a core, during / outside a
+        # materialization (the snapshot helper's thread competes for the cores)
+        "runq_s_per_s_mat": round(runq[0], 3) if runq and mats else None,
+        "runq_s_per_s_idle": round(runq[1], 3) if runq else None,
         "checkpoints": len(cps),
         "cp_p50_ms": round(_pct(durations, 0.5), 1),
         "cp_p99_ms": round(_pct(durations, 0.99), 1),
