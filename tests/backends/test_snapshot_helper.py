@@ -231,14 +231,17 @@ def test_a_snapshot_released_unread_leaves_the_helper_serving(helper: SnapshotHe
 def test_a_background_job_runs_on_a_thread_below_the_task(
     helper: SnapshotHelper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At NICE_MIN_ENTRIES entries the job's thread (only) is niced: the helper's main
-    thread is not, and no niced thread outlives the job."""
+    """At NICE_MIN_ENTRIES entries the job's thread (only) is niced and, where the helper
+    may lift it out again (root here: CAP_SYS_NICE), under SCHED_IDLE: the helper's main
+    thread is neither, and no such thread outlives the job."""
     monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
     b = _backend(KEYS + 100)
     snap = _served(b)
     assert snap.background
-    nices = _thread_nices(helper.pid, until=lambda n: forked_mod.CHILD_NICE in n.values())
-    assert nices[helper.pid] == 0
+    idle = os.geteuid() == 0
+    want = (forked_mod.CHILD_NICE, os.SCHED_IDLE if idle else os.SCHED_OTHER)
+    threads = _thread_scheds(helper.pid, until=lambda n: want in n.values())
+    assert threads[helper.pid] == (0, os.SCHED_OTHER)
     assert _pieces(snap.pieces(PIECE_ROWS))
     snap.release()
     monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", 1 << 30)
@@ -248,16 +251,55 @@ def test_a_background_job_runs_on_a_thread_below_the_task(
     snap.release()
     # The helper joins a job's thread before it takes the next job, but a joined thread
     # may still be in the kernel's thread exit, niced, on a busy machine: it must go.
-    _thread_nices(helper.pid, until=lambda n: forked_mod.CHILD_NICE not in n.values())
+    _thread_scheds(helper.pid, until=lambda n: all(v == (0, os.SCHED_OTHER) for v in n.values()))
 
 
-def _thread_nices(pid: int, until: Any = lambda n: True) -> dict[int, int]:
-    """The niceness of each thread of ``pid`` (field 19 of its stat), once ``until`` it."""
+@pytest.mark.skipif(os.geteuid() != 0, reason="lifting a thread out of SCHED_IDLE needs root")
+def test_a_background_job_leaves_sched_idle_after_its_bound(
+    helper: SnapshotHelper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past IDLE_MAX_S the job's thread runs on under SCHED_OTHER, still niced: a busy
+    machine cannot hold a materialization back for good."""
+    monkeypatch.setattr(forked_mod, "NICE_MIN_ENTRIES", KEYS)
+    monkeypatch.setattr(helper_mod, "IDLE_MAX_S", 0.0)
+    b = _backend(KEYS + 100)
+    snap = _served(b)  # the job lives until its release
+    lifted = (forked_mod.CHILD_NICE, os.SCHED_OTHER)
+    _thread_scheds(helper.pid, until=lambda n: lifted in n.values())
+    assert _pieces(snap.pieces(PIECE_ROWS)) == _want(b)
+    snap.release()
+
+
+def test_an_unprivileged_helper_keeps_background_jobs_out_of_sched_idle() -> None:
+    """Without CAP_SYS_NICE and with RLIMIT_NICE 0 (a user's default) a thread cannot
+    leave SCHED_IDLE, so the helper does not put jobs there: they run niced only."""
+    code = (
+        "import os, resource, sys\n"
+        "from backends.snapshot_helper import _idle_liftable\n"
+        "print(int(_idle_liftable()))\n"
+        "resource.setrlimit(resource.RLIMIT_NICE, (0, 0))\n"
+        "if os.geteuid() == 0:\n"
+        "    os.setgid(65534); os.setuid(65534)\n"
+        "print(int(_idle_liftable()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()  # fmt: skip
+    assert out[1] == "0"
+    if os.geteuid() == 0:
+        assert out[0] == "1"
+
+
+def _thread_scheds(pid: int, until: Any = lambda n: True) -> dict[int, tuple[int, int]]:
+    """The niceness and scheduling policy of each thread of ``pid`` (fields 19 and 41 of
+    its stat), once ``until`` them."""
     for _ in range(10_000):
         out = {}
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                out[int(tid)] = int(fh.read().rsplit(")", 1)[1].split()[16])
+                fields = fh.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[16]), int(fields[38]))
         if until(out):
             return out
         select.select([], [], [], 0.001)  # a yield to the helper, which starts its thread
