@@ -459,7 +459,8 @@ def main(argv: list[str]) -> None:  # pragma: no cover - the helper process
         worker.start()
         if job["nice"]:
             _in_background(worker, go, job["idle_max_s"] if idle else None)
-        go.set()
+        else:
+            go.set()
         worker.join()
 
 
@@ -505,20 +506,21 @@ def _idle_liftable() -> bool:  # pragma: no cover - the helper process
 def _in_background(
     worker: threading.Thread, go: threading.Event, idle_max_s: float | None
 ) -> None:  # pragma: no cover - the helper process
-    """Put ``worker`` (started, waiting for ``go``) in the background: at
-    :data:`~backends.forked.CHILD_NICE`, and with ``idle_max_s`` under ``SCHED_IDLE``
-    until it ends or for that long (see :data:`IDLE_MAX_S`). Sets ``go``."""
+    """Put ``worker`` (started, waiting for ``go``) in the background, then set ``go``:
+    at :data:`~backends.forked.CHILD_NICE`, and with ``idle_max_s`` under ``SCHED_IDLE``
+    until it ends or for that long (see :data:`IDLE_MAX_S`)."""
     tid = worker.native_id
     assert tid is not None
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + CHILD_NICE)
-    if idle_max_s is None:
-        return
     try:
+        if idle_max_s is None:
+            return
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except OSError:
         return
-    go.set()
+    finally:
+        go.set()
     worker.join(idle_max_s)
     if worker.is_alive():
         with contextlib.suppress(OSError):  # ESRCH: it ended meanwhile
