@@ -84,7 +84,7 @@ from dstl.gil import PAUSE_SIGNAL, forget_paused, pause_during_critical
 
 log = logging.getLogger(__name__)
 
-IDLE_MAX_S = 1.0
+IDLE_MAX_S = 0.5
 """How long a background job (:data:`~backends.forked.NICE_MIN_ENTRIES` entries or more)
 runs under ``SCHED_IDLE`` at most; past it, it runs on at :data:`~backends.forked.CHILD_NICE`
 alone, so a machine kept busy by other work cannot hold a materialization back for good.
@@ -106,9 +106,12 @@ differ by 5-10%).
 Unprivileged, a thread cannot leave ``SCHED_IDLE`` unless ``RLIMIT_NICE`` allows its
 niceness (``CAP_SYS_NICE`` does too): the helper tries it once at start
 (:func:`_idle_liftable`), and where it cannot, background jobs run at
-:data:`~backends.forked.CHILD_NICE` only. The bound is on the job's life,
-which ends when its snapshot is released: 1 s is half the 2 s a materialization of 1M
-keys may take."""
+:data:`~backends.forked.CHILD_NICE` only. The bound is on the job's life, which ends when
+its snapshot is released: 0.5 s is above the 0.30-0.35 s (p50) a materialization of 1M
+uniform keys takes beside an idle core, so a job leaves ``SCHED_IDLE`` early only when
+it is being starved. With both cores kept busy by two other processes (one run each):
+materializations p50 / max 3.0 / 3.7 s niced only, 3.9 / 4.4 s with a bound of 1 s,
+3.4 / 4.1 s with 0.5 s."""
 
 MAX_STARTS = 3
 """Helpers one process starts at most: one that keeps dying (it cannot import what it
