@@ -492,7 +492,7 @@ def _idle_liftable() -> bool:  # pragma: no cover - the helper process
     def probe() -> None:
         tid = threading.get_native_id()
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + CHILD_NICE)
+            _renice(tid)
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         except (OSError, AttributeError):  # AttributeError: not Linux
@@ -506,6 +506,11 @@ def _idle_liftable() -> bool:  # pragma: no cover - the helper process
     return result[0]
 
 
+def _renice(tid: int) -> None:  # pragma: no cover - the helper process
+    """Lower thread ``tid``'s priority by :data:`~backends.forked.CHILD_NICE`."""
+    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + CHILD_NICE)
+
+
 def _in_background(
     worker: threading.Thread, go: threading.Event, idle_max_s: float | None
 ) -> None:  # pragma: no cover - the helper process
@@ -515,19 +520,19 @@ def _in_background(
     tid = worker.native_id
     assert tid is not None
     with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + CHILD_NICE)
-    try:
-        if idle_max_s is None:
-            return
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return
-    finally:
-        go.set()
-    worker.join(idle_max_s)
-    if worker.is_alive():
-        with contextlib.suppress(OSError):  # ESRCH: it ended meanwhile
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        _renice(tid)
+    idle = idle_max_s is not None
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            idle = False
+    go.set()
+    if idle:
+        worker.join(idle_max_s)
+        if worker.is_alive():
+            with contextlib.suppress(OSError):  # ESRCH: it ended meanwhile
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def _run(
