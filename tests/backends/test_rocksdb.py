@@ -199,39 +199,49 @@ def test_materialization_while_the_task_keeps_writing_restores_the_snapshot(
 def test_snapshot_flushes_the_memtable_without_holding_the_gil(factory: Factory) -> None:
     """While the snapshot waits for RocksDB to flush the memtable, the other threads of
     the process run: rocksdict's checkpoint holds the GIL for its whole flush, which
-    stopped them all (the source, the uploads) for the flush."""
+    stopped them all (the source, the uploads) for the flush.
+
+    Up to three snapshots, each of a fresh memtable: the old way leaves one gap as long as
+    the whole flush in every one of them, while on a loaded machine the kernel alone may
+    keep the spinning thread off a core for most of one snapshot (seen once in CI: a gap of
+    0.47 s in 0.66 s)."""
     import threading
 
     b = factory.store("rocksdb")
     s = b.get_state(ValueStateDescriptor("v", STR))
-    for i in range(150_000):
-        b.set_current_key(f"key-{i:08d}")
-        s.update(f"value {i} " * 4)
-    seen: list[float] = []
-    stop = threading.Event()
+    tries: list[tuple[float, float]] = []  # (longest gap, snapshot's duration)
+    for attempt in range(3):
+        for i in range(150_000):
+            b.set_current_key(f"key-{i:08d}")
+            s.update(f"value {i} {attempt} " * 4)
+        seen: list[float] = []
+        stop = threading.Event()
 
-    def spin() -> None:
-        while not stop.is_set():
-            seen.append(time.perf_counter())
+        def spin(seen: list[float] = seen, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                seen.append(time.perf_counter())
 
-    t = threading.Thread(target=spin)
-    t.start()
-    try:
-        while not seen:  # the spinner is running
-            time.sleep(0.001)
-        start = time.perf_counter()
-        snap = b.snapshot()
-        end = time.perf_counter()
-    finally:
-        stop.set()
-        t.join()
-    snap.release()
-    inside = [x for x in seen if start <= x <= end]
-    gaps = [b2 - a for a, b2 in zip([start, *inside], [*inside, end], strict=True)]
-    assert b._db.property_int_value("rocksdb.num-immutable-mem-table") == 0
-    assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
-    # the old way: one gap as long as the whole flush
-    assert max(gaps) < 0.5 * (end - start), (max(gaps), end - start)
+        t = threading.Thread(target=spin)
+        t.start()
+        try:
+            while not seen:  # the spinner is running
+                time.sleep(0.001)
+            start = time.perf_counter()
+            snap = b.snapshot()
+            end = time.perf_counter()
+        finally:
+            stop.set()
+            t.join()
+        snap.release()
+        assert b._db.property_int_value("rocksdb.num-immutable-mem-table") == 0
+        assert b._db.property_int_value("rocksdb.num-entries-active-mem-table") == 0
+        inside = [x for x in seen if start <= x <= end]
+        gaps = [b2 - a for a, b2 in zip([start, *inside], [*inside, end], strict=True)]
+        tries.append((max(gaps), end - start))
+        if max(gaps) < 0.5 * (end - start):
+            return
+    # the old way: in each snapshot one gap as long as the whole flush
+    raise AssertionError(f"(longest gap, snapshot) in seconds: {tries}")
 
 
 def test_prepare_snapshot_flushes_in_the_background_and_the_snapshot_stays_exact(
