@@ -212,6 +212,25 @@ def test_own_steps_report_the_blocks_a_barriers_upload_took_along() -> None:
     assert steps["own_p99_ms"] == 14.0  # async 13 + commit 1
 
 
+def test_own_steps_describe_the_slowest_checkpoints_step_by_step() -> None:
+    def checkpoint(i: int, async_ms: float) -> dict[str, Any]:
+        operator = {"async_ms": async_ms, "encode_ms": async_ms / 2, "encode_cpu_ms": 1.0}
+        return {"id": i, "operator": operator, "commit_ms": 3.0}
+
+    completed = [  # what the worker logs for checkpoint 7: its record's wall and CPU time
+        {"event": "log", "msg": "checkpoint completed id=7 record_ms=2.500 record_cpu_ms=2.0"}
+    ]
+    cps = [checkpoint(i, ms) for i, ms in enumerate([5.0, 30.0, 6.0, 7.0, 20.0, 4.0, 1.0, 25.0])]
+    slowest = _own_steps(cps, completed)["own_slowest"]
+    assert [s["id"] for s in slowest] == [1, 7, 4]
+    assert slowest[0]["own_ms"] == 33.0
+    assert slowest[1]["encode_ms@operator"] == 12.5
+    assert slowest[1]["encode_cpu_ms@operator"] == 1.0
+    assert slowest[1]["record_ms@coordinator"] == 2.5
+    assert slowest[1]["record_cpu_ms@coordinator"] == 2.0
+    assert slowest[0]["record_cpu_ms@coordinator"] == 0.0  # not logged
+
+
 def test_own_part_p99_is_over_every_checkpoint_of_the_uniform_changelog_on_cases() -> None:
     # 30 checkpoints a case: alone, a case's p99 is its maximum (the stalled 190 ms)
     stalled = [5.0 + i / 10 for i in range(29)] + [190.0]
@@ -229,5 +248,23 @@ def test_own_part_p99_is_over_every_checkpoint_of_the_uniform_changelog_on_cases
     assert out["own_checkpoint_samples"] == 150
     assert out["own_checkpoint_max_ms"] == 190.0
     assert out["own_checkpoint_p99_ms"] == 19.0  # the second largest of 150
+    assert out["own_checkpoint_slowest"] == []  # no case described its slowest
     # the first two alone (60 checkpoints): the p99 leaves the stalled one out
     assert _headline(cases[:2], None)["own_checkpoint_p99_ms"] == 7.8
+
+
+def test_the_pooled_slowest_checkpoints_name_their_case_and_leave_labelled_cases_out() -> None:
+    def slow(*ms: float) -> list[dict[str, Any]]:
+        return [{"id": i, "own_ms": v} for i, v in enumerate(ms)]
+
+    cases = [
+        _case("heap", "uniform", 1.3, own_slowest=slow(30.0, 12.0, 11.0)),
+        _case("rocksdb", "uniform", 1.2, keys=100_000, own_slowest=slow(25.0, 14.0, 9.0)),
+        _case("heap", "hot", 1.3, own_slowest=slow(500.0)),  # labelled: not pooled
+    ]
+    out = _headline(cases, None, [_case("heap", "uniform", 1.3, own_slowest=slow(13.0))])
+    assert out["own_checkpoint_slowest"] == [
+        {"case": "heap 1000000", "id": 0, "own_ms": 30.0},
+        {"case": "rocksdb 100000", "id": 0, "own_ms": 25.0},
+        {"case": "rocksdb 100000", "id": 1, "own_ms": 14.0},
+    ]

@@ -533,6 +533,7 @@ def _summarize(
         "own_p99_ms": steps.pop("own_p99_ms"),
         "own_old_p99_ms": steps.pop("own_old_p99_ms"),
         "own_ms": steps.pop("own_ms"),
+        "own_slowest": steps.pop("own_slowest"),
         "own_steps": steps,
         "materializations": len(mats),
         "mat_p50_s": round(median(mat_s), 3) if mat_s else None,
@@ -615,11 +616,11 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
     reserving the id, the slowest subtask's barrier-to-durable time (the sink's too), the
     last ack reaching the coordinator, and the commit; it includes the old meaning.
     """
-    recorded = {}
+    recorded: dict[int, tuple[float, float]] = {}  # id: (record_ms, record_cpu_ms)
     for e in events:
         if e["event"] == "log" and e["msg"].startswith("checkpoint completed "):
             f = _parse_fields(e["msg"])
-            recorded[int(f.get("id", -1))] = f.get("record_ms", 0.0)
+            recorded[int(f.get("id", -1))] = (f.get("record_ms", 0.0), f.get("record_cpu_ms", 0.0))
     rows = []
     for c in cps:
         subtasks = c.get("subtask_stats", {})
@@ -628,7 +629,9 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
         row.update({f"{k}@sink": float(v) for k, v in sink.items() if _number(v)})
         for k in ("trigger_ms", "ack_delay_ms", "commit_ms"):
             row[f"{k}@coordinator"] = float(c.get(k, 0.0))
-        row["record_ms@coordinator"] = recorded.get(c["id"], 0.0)
+        row["record_ms@coordinator"], row["record_cpu_ms@coordinator"] = recorded.get(
+            c["id"], (0.0, 0.0)
+        )
         slowest = max(row.get("async_ms@operator", 0.0), row.get("async_ms@sink", 0.0))
         row["own_old"] = row.get("async_ms@operator", 0.0) + row["commit_ms@coordinator"]
         row["own"] = (
@@ -637,9 +640,11 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
             + row["ack_delay_ms@coordinator"]
             + row["commit_ms@coordinator"]
         )
+        row["id"] = c["id"]
         rows.append(row)
     out: dict[str, Any] = {
         "own_ms": [round(r["own"], 1) for r in rows],  # each checkpoint's, for a pooled p99
+        "own_slowest": _slowest(rows),
         "own_p99_ms": round(_pct([r["own"] for r in rows], 0.99), 1),
         "own_old_p99_ms": round(_pct([r["own_old"] for r in rows], 0.99), 1),
     }
@@ -653,6 +658,28 @@ def _own_steps(cps: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
     blocks = [r["upload_blocks@operator"] for r in rows if "upload_blocks@operator" in r]
     if blocks:
         out["operator.upload_blocks"] = {"p50": _pct(blocks, 0.5), "max": max(blocks)}
+    return out
+
+
+SLOWEST = 3
+"""How many of a case's slowest checkpoints :func:`_slowest` describes."""
+
+_SLOWEST_STEPS = (
+    *(f"{name}@{where}" for name, where in OWN_STEPS),
+    "encode_cpu_ms@operator",  # of encode_ms, the upload thread's CPU
+    "record_cpu_ms@coordinator",  # of record_ms, the committer's CPU
+    "upload_blocks@operator",
+)
+
+
+def _slowest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :data:`SLOWEST` checkpoints of largest own part, slowest first: id, own part
+    and each step of it (see :data:`OWN_STEPS`, with the CPU beside the encoding and the
+    record), so a run's note can say what made its tail without running it again."""
+    out = []
+    for r in sorted(rows, key=lambda r: r["own"], reverse=True)[:SLOWEST]:
+        steps = {k: round(r[k], 1) for k in _SLOWEST_STEPS if k in r}
+        out.append({"id": r["id"], "own_ms": round(r["own"], 1), **steps})
     return out
 
 
@@ -684,17 +711,28 @@ def _own_pooled(cases: list[dict[str, Any]], repeats: Sequence[dict[str, Any]]) 
     headline was the larger of two such maxima (60 checkpoints), one disk stall's worth
     (190 ms in one run of four, where a segment write and the metadata commit's sync
     stalled together). Pooled over ~150, the p99 lets one such checkpoint in a hundred
-    through, as a p99 does; the maximum stays beside it."""
-    own = [
-        v
+    through, as a p99 does; the maximum stays beside it, and the steps of the
+    :data:`SLOWEST` slowest (``own_checkpoint_slowest``, each naming its case)."""
+    pooled = [
+        c
         for c in (*cases, *repeats)
         if c["system"] == "ours" and c["changelog"] == "on" and c["pattern"] == "uniform"
-        for v in c.get("own_ms", ())
     ]
+    own = [v for c in pooled for v in c.get("own_ms", ())]
+    slowest = sorted(
+        (
+            {"case": f"{c['store']} {c['keys']}", **s}
+            for c in pooled
+            for s in c.get("own_slowest", ())
+        ),
+        key=lambda s: s["own_ms"],
+        reverse=True,
+    )
     return {
         "own_checkpoint_p99_ms": round(_pct(own, 0.99), 1) if own else None,
         "own_checkpoint_max_ms": max(own) if own else None,
         "own_checkpoint_samples": len(own),
+        "own_checkpoint_slowest": slowest[:SLOWEST],
     }
 
 
