@@ -23,7 +23,8 @@ p50/p99; ``own_p99_ms`` (our own part: everything but the barriers' travel and w
 queues, see :func:`_own_steps`; ``own_old_p99_ms`` the narrower meaning used before) and
 ``own_steps`` (p50/p99 of each step of it; ``own_ms`` each checkpoint's: the headline
 ``own_checkpoint_p99_ms`` pools those of every uniform changelog-on case, see
-:func:`_own_pooled`); materialization duration (sync + upload)
+:func:`_own_pooled`; ``own_slowest`` the steps of the slowest three, see
+:func:`_slowest`); materialization duration (sync + upload)
 p50/max and its sync part p50/max; ``log_at_kill`` (change records the
 restore has to replay); ``restore_s`` (the restarted worker building its tasks, restore
 included) and ``replay_per_s`` (changes replayed per second: read, fold and load of the
