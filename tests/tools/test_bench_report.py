@@ -169,3 +169,27 @@ def test_cases_run_again_get_a_table_of_their_own_not_a_summary_row() -> None:
     assert "repeated_cases" not in summary and "71,234" not in summary
     assert "| ours | heap | on | 1,000 | long-log | 71,234 | 3 |" in again
     assert "| ours | heap | on | 1,000 | uniform | 69,876 | 2 |" in again
+
+
+def test_lists_and_dicts_of_dicts_get_a_table_each_not_a_cell() -> None:
+    result = _e2e(1_764_000_000.0, heap_rate=80_000)
+    result["own_checkpoint_slowest"] = [
+        {"case": "heap 1000000", "id": 27, "own_ms": 17.9, "encode_ms@operator": 5.5},
+        {"case": "rocksdb 100000", "id": 10, "own_ms": 17.8, "write_ms@operator": 1.8},
+    ]
+    result["own_checkpoint_steps_ms"] = {
+        "heap": {
+            "operator.encode_ms": {"p50": 2.6, "p99": 7.4},
+            "operator.upload_blocks": {"p50": 1, "max": 2},
+        },
+    }
+    text = report.section(result, None)
+    assert "{'case'" not in text and "{'p50'" not in text  # no dict in a cell
+    assert "| case | id | own_ms | encode_ms@operator | write_ms@operator |" in text
+    assert "| heap 1000000 | 27 | 17.9 | 5.5 | - |" in text
+    assert "| rocksdb 100000 | 10 | 17.8 | - | 1.8 |" in text
+    assert "`own_checkpoint_steps_ms.heap`" in text
+    assert "| name | p50 | p99 | max |" in text
+    assert "| operator.encode_ms | 2.6 | 7.4 | - |" in text
+    assert "| operator.upload_blocks | 1 | - | 2 |" in text
+    assert "| field | value |" in text  # the plain fields keep their table

@@ -466,8 +466,14 @@ def section(result: dict[str, Any], image: str | None) -> str:
     if versus:
         parts.append(versus)
     fields = summary(result)
-    if fields:
-        parts.append(table(["field", "value"], fields.items()))
+    nested = {k: v for k, v in fields.items() if _rows_of(v)}
+    plain = [(k, v) for k, v in fields.items() if k not in nested]
+    if plain:
+        parts.append(table(["field", "value"], plain))
+    for key, value in nested.items():  # a table each: one Markdown cell of dicts was unreadable
+        rows = _rows_of(value)
+        columns = list(dict.fromkeys(c for row in rows for c in row))
+        parts.append(f"`{key}`\n\n" + table(columns, ([r.get(c) for c in columns] for r in rows)))
     if image:
         parts.append(f"![{name}]({image})")
     columns = result.get("columns") or sorted({k for c in result.get("cases", []) for k in c})
@@ -486,6 +492,20 @@ def section(result: dict[str, Any], image: str | None) -> str:
             + "\n\n</details>"
         )
     return "\n\n".join(parts)
+
+
+def _rows_of(value: Any) -> list[dict[str, Any]]:
+    """A summary value as the rows of a table of its own, or [] for a value that fits a
+    cell: a list of flat dicts (a row each), or a dict of flat dicts (a row each, its key
+    first, as ``name``)."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        rows = value
+    elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        rows = [{"name": k, **v} for k, v in value.items()]
+    else:
+        return []
+    flat = all(not isinstance(x, dict | list) for r in rows for x in r.values())
+    return rows if flat else []
 
 
 def headline_block(results: Sequence[dict[str, Any]], link: str) -> str:
