@@ -254,7 +254,11 @@ def test_the_child_keeps_no_inherited_descriptor(
 
     def first_piece_then_wait(snapshot: StateSnapshot, piece_rows: int | None) -> Iterator[Any]:
         yield next(iter(state_files(snapshot, piece_rows)))
-        gate.wait()  # never set in the child: it stays alive, holding what it holds
+        # Only for the requested size: the child encodes ahead in the default size until
+        # the request comes, and waiting there hung it whenever it got this far before
+        # the parent sent the request (seen once in CI, a loaded machine).
+        if piece_rows == PIECE_ROWS:
+            gate.wait()  # never set in the child: it stays alive, holding what it holds
 
     monkeypatch.setattr(forked_mod, "state_files", first_piece_then_wait)
     b = _backend(500)
