@@ -466,12 +466,11 @@ def section(result: dict[str, Any], image: str | None) -> str:
     if versus:
         parts.append(versus)
     fields = summary(result)
-    nested = {k: v for k, v in fields.items() if _rows_of(v)}
+    nested = {k: rows for k, v in fields.items() if (rows := _rows_of(v))}
     plain = [(k, v) for k, v in fields.items() if k not in nested]
     if plain:
         parts.append(table(["field", "value"], plain))
-    for key, value in nested.items():  # a table each: one Markdown cell of dicts was unreadable
-        rows = _rows_of(value)
+    for key, rows in nested.items():  # a table each: one Markdown cell of dicts was unreadable
         columns = list(dict.fromkeys(c for row in rows for c in row))
         parts.append(f"`{key}`\n\n" + table(columns, ([r.get(c) for c in columns] for r in rows)))
     if image:
